@@ -1,0 +1,32 @@
+# pagedserve: `make run` serves the default model, `make test` runs the suite.
+# Both set themselves up on a fresh machine (a .venv, torch first, then the project).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= $(shell test -d ../shared/models/stories260K && echo ../shared/models/stories260K || echo demo)
+PROMPT ?= Once upon a time
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pagedserve generate --model $(MODEL) --max-tokens 120 "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

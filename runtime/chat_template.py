@@ -1,0 +1,59 @@
+"""Chat messages -> prompt text, through the checkpoint's Jinja template or a plain fallback.
+
+The fallback (for models that ship no template, like stories260K) writes each message as a
+`role: content` line and ends with `assistant:`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.sampling_params import InvalidRequestError
+
+
+def fallback_chat_prompt(messages: list[dict]) -> str:
+    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+    return "\n".join(lines + ["assistant:"])
+
+
+def _raise(message: str):
+    raise InvalidRequestError(f"chat template: {message}", param="messages")
+
+
+class ChatTemplate:
+    """A compiled Jinja chat template (sandboxed), or the fallback when `source` is None."""
+
+    def __init__(self, source: str | None, bos_token: str | None, eos_token: str | None) -> None:
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self._template = None
+        if source is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(source)
+
+    @property
+    def is_fallback(self) -> bool:
+        return self._template is None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (each a dict with role and content)."""
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise InvalidRequestError(f"messages[{i}] must be an object with a role", param="messages")
+        if self._template is None:
+            return fallback_chat_prompt(messages)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc

@@ -1,0 +1,303 @@
+"""The engine: requests in, one batched step at a time, outputs back.
+
+    step():  schedule -> run the model through the page tables -> sample -> stop checks
+
+Single-threaded: whoever drives it (generate(), or the service's engine thread) owns every
+page and tensor it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import structlog
+import torch
+
+from config import EngineSettings, load_engine_settings
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.model.config import ModelConfig, load_model_config
+from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
+from runtime.model.llama import LlamaForCausalLM
+from runtime.model.loader import load_model
+from runtime.model_runner import ModelRunner
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.request import Request, Sequence
+from runtime.sampler import Sampler
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.tokenizer import ByteTokenizer, HFTokenizer
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    """A paged-KV inference engine for one Llama-family model (vLLM's LLM/LLMEngine shape)."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer, settings: EngineSettings, model_name: str) -> None:
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.model_name = model_name
+        config = self.model_config
+        self.max_model_len = min(settings.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.block_size = settings.block_size
+        self.num_blocks = settings.num_blocks or self._blocks_for_budget(settings.kv_cache_memory_bytes)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
+        device = torch.device(settings.device)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, DTYPES[settings.dtype], settings.kernel_backend)
+        self.sampler = Sampler(settings.seed)
+        eos = set(config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._ids = itertools.count()
+        log.info(
+            "engine ready", model=model_name, num_blocks=self.num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len, device=settings.device, dtype=settings.dtype,
+        )
+
+    def _blocks_for_budget(self, budget_bytes: int) -> int:
+        bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(DTYPES[self.settings.dtype].itemsize)
+        return max(1, budget_bytes // bytes_per_block)
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, *, show_progress: bool = False, settings_file=None, **overrides) -> Engine:
+        """Load a Hugging Face checkpoint folder, or "demo" for the built-in random-weight model.
+
+        Keyword overrides are EngineSettings fields: device, dtype, block_size, num_blocks,
+        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+        max_model_len, seed, kernel_backend.
+        """
+        settings = load_engine_settings(settings_file, **overrides)
+        device = torch.device(settings.device)
+        dtype = DTYPES[settings.dtype]
+        if str(model) == "demo":
+            log.warning("loading the demo model: RANDOM weights, its text is noise", model=DEMO_MODEL_NAME)
+            return cls(build_demo_model(device, dtype), ByteTokenizer(), settings, DEMO_MODEL_NAME)
+        model_dir = Path(model)
+        config = load_model_config(model_dir)
+        log.info("loading model", path=str(model_dir), model_type=config.model_type, layers=config.num_layers)
+        net = load_model(config, model_dir, device, dtype, show_progress=show_progress)
+        return cls(net, HFTokenizer(model_dir), settings, model_dir.name)
+
+    # --- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt token ids (BOS added as the tokenizer says); token-id prompts pass through, checked."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in token_ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.model_config.vocab_size})", param="prompt"
+                )
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next step that has room."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = self.tokenize(prompt)
+        self._check_fits(len(token_ids), params)
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        seq = Sequence(request, 0, list(token_ids), detokenizer)
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request needs {total} "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        pages = -(-total // self.block_size)
+        if pages > self.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {pages} KV pages but the cache holds {self.num_blocks}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
+        request = self.requests.get(request_id)
+        if request is None or request in self._aborted:
+            return False
+        request.aborted = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self._aborted.append(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return every request that got new tokens or finished."""
+        outputs = [self._make_output(request) for request in self._take_aborted()]
+        batch = self.scheduler.schedule()
+        if not batch.is_empty:
+            logits = self.runner.execute(batch, self.kv)  # [num_sampling, vocab]
+            to_sample = self.scheduler.advance(batch)
+            rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64, device=logits.device)
+            token_ids, logprobs = self.sampler(logits[rows], [seq for seq, _ in to_sample])
+            outputs += self._append_tokens([seq for seq, _ in to_sample], token_ids, logprobs)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("scheduler made no progress with requests waiting and none running")
+        if not self.scheduler.has_unfinished():
+            self.kv.check_invariants()  # idle: every page must be accounted for
+        return outputs
+
+    def _take_aborted(self) -> list[Request]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
+            self._append_token(seq, token_id, token_logprobs)
+            touched[seq.request.request_id] = seq.request
+        return [self._make_output(request) for request in touched.values()]
+
+    def _append_token(self, seq: Sequence, token_id: int, token_logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token_id)
+        if token_logprobs is not None:
+            seq.logprobs.append(token_logprobs)
+            seq.cumulative_logprob += token_logprobs[token_id]
+        params = seq.params
+        reason, stop_reason = None, None
+        if token_id in params.stop_token_ids:
+            reason, stop_reason = "stop", token_id
+        elif token_id in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        else:
+            stop_string = seq.detokenizer.append(token_id)
+            if stop_string is not None:
+                reason, stop_reason = "stop", stop_string
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if not isinstance(stop_reason, str):
+                seq.detokenizer.flush()
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.sequences:
+            output_ids = seq.output_token_ids
+            new_ids = output_ids[seq.num_emitted_tokens :]
+            seq.num_emitted_tokens = len(output_ids)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.text,
+                    token_ids=output_ids,
+                    new_text=seq.detokenizer.take_new_text(seq.is_finished),
+                    new_token_ids=new_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                )
+            )
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            finished=finished,
+        )
+
+    # --- offline convenience ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        cache_salt: str | bytes | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("one SamplingParams per prompt, or one for all", param="params")
+        request_ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(request_ids, prompts, params_list):
+            self.add_request(request_id, prompt, p, cache_salt)
+        finals: dict[str, RequestOutput] = {}
+        from tqdm import tqdm
+
+        with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(finals) < len(request_ids):
+                for output in self.step():
+                    if output.finished and output.request_id in request_ids:
+                        finals[output.request_id] = output
+                        bar.update(1)
+        return [finals[request_id] for request_id in request_ids]
+
+    # --- introspection ------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Page and queue counters (names as in DESIGN.md)."""
+        pool = self.kv.pool
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": self.num_blocks - pool.num_free_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "num_kv_tokens": self._num_kv_tokens(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+        }
+
+    def _num_kv_tokens(self) -> int:
+        """Token slots holding K/V of live sequences, each shared page counted once."""
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(self.kv.block_ids(seq)):
+                slots = max(0, min(self.block_size, seq.num_computed_tokens - i * self.block_size))
+                filled[block_id] = max(filled.get(block_id, 0), slots)
+        return sum(filled.values())
+
+    def check_invariants(self) -> None:
+        """Raise if page bookkeeping is inconsistent (see BlockPool.check_invariants)."""
+        self.kv.check_invariants()

@@ -1,0 +1,117 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) that keeps its K/V in pages.
+
+The model runs on a flat batch of tokens from many sequences (no padding): embeddings,
+then per layer RMSNorm -> attention through the page tables -> residual -> RMSNorm ->
+SwiGLU MLP -> residual, then a final norm. Logits are computed only for the rows that
+sample. Numerics follow Hugging Face transformers (RMSNorm in float32, rotate-half RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention import AttentionMetadata, paged_attention
+from runtime.model.config import ModelConfig
+from runtime.model.rope import apply_rope, rope_cos_sin
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _weight(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, config.hidden_size)  # q, k, v rows stacked
+        self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
+        self.o_weight = _weight(config.hidden_size, self.q_size)
+        self.o_bias = _weight(config.hidden_size) if config.o_bias else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size)  # gate rows, then up
+        self.gate_up_bias = _weight(2 * config.intermediate_size) if config.mlp_bias else None
+        self.down_weight = _weight(config.hidden_size, config.intermediate_size)
+        self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, decoder layers over paged K/V, final norm and the LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
+        cos, sin = rope_cos_sin(config, config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)  # float32 [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [num_tokens, head_dim]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size], float32
+        return F.linear(hidden, self.lm_head).float()

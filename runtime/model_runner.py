@@ -1,0 +1,102 @@
+"""Runs one scheduled batch through the model: page copies, inputs, forward, logits.
+
+It owns the KV cache tensors, sized once from a budget and never grown:
+    kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention import AttentionMetadata
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.model.llama import LlamaForCausalLM
+from runtime.scheduler import ScheduledBatch
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:  # int32 [len(rows), max_len]
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device).reshape(
+        len(rows), width
+    )
+
+
+class ModelRunner:
+    """The model plus its paged KV cache; turns a ScheduledBatch into logits rows."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernel_backend: str = "auto",
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kernel_backend = kernel_backend
+        self.kv_cache = torch.zeros(
+            config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=device
+        )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages (every layer, K and V): copy-on-write for shared partial pages."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, rows that sample) for the batch."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = kv.block_ids(seq)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            tables.append(table)
+            context_lens.append(end)
+            query_start.append(query_start[-1] + num_new)
+            if end == seq.num_tokens:
+                sample_rows.append(query_start[-1] - 1)
+        nd = batch.num_decodes
+        device = self.device
+        prefill_starts = [q - query_start[nd] for q in query_start[nd:]]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_tokens=nd,
+            decode_block_tables=_padded(tables[:nd], device),
+            decode_context_lens=torch.tensor(context_lens[:nd], dtype=torch.int32, device=device),
+            prefill_block_tables=_padded(tables[nd:], device),
+            prefill_query_start_loc=torch.tensor(prefill_starts, dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor(context_lens[nd:], dtype=torch.int32, device=device),
+            kernel_backend=self.kernel_backend,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, kv: KVCacheManager) -> torch.Tensor:  # float32 [num_sampling, vocab]
+        """Run the batch: page copies first, then the forward; logits only for sequences that caught up."""
+        self.copy_blocks(batch.blocks_to_copy)
+        input_ids, positions, meta, sample_rows = self.prepare(batch, kv)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[sample_rows])

@@ -1,0 +1,44 @@
+"""What the engine hands back: per request, per sample, cumulative and per-step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request so far."""
+
+    index: int
+    text: str  # all text so far (stop strings cut)
+    token_ids: list[int]  # all output tokens so far
+    new_text: str = ""  # text released this step (held back while it may start a stop string)
+    new_token_ids: list[int] = field(default_factory=list)  # tokens sampled this step
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: chosen token first, then top-k
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: its samples, and how much of its prompt was cached."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    finished: bool
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

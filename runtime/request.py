@@ -1,0 +1,112 @@
+"""A request and its sequences: the units the scheduler moves and the pages belong to.
+
+A `Request` is what a caller submitted: a prompt, sampling params, a cache salt. It owns
+`n` `Sequence`s (one per sample). Every sequence follows one rule: its
+`num_computed_tokens` catches up to `num_tokens` (prompt + outputs so far). Prefill,
+chunked prefill, a prefix hit and decode are that rule seen at different moments.
+With n > 1, the request starts with one sequence; when its prompt is computed, it forks
+into n, the forks sharing the prompt's pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One caller request: prompt, params, salt, and its sequences (samples)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: bytes | None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
+        self.sequences: list[Sequence] = []
+        self.forked = params.n == 1
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        complete = self.aborted or len(self.sequences) == self.params.n
+        return complete and all(s.is_finished for s in self.sequences)
+
+
+class Sequence:
+    """One sample stream of a request: its tokens, progress, sampling state and stop state."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], detokenizer: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.index = index
+        self.seq_id = request.request_id if index == 0 else f"{request.request_id}#{index}"
+        self.token_ids = token_ids  # prompt + outputs
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []  # of full blocks of token_ids, chained and salted
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = detokenizer
+        self.logprobs: list[dict[int, float]] = []  # per output token: chosen + top-k
+        self.cumulative_logprob = 0.0
+        self.generator = self._make_generator(request.params.seed, index)
+        self.num_emitted_tokens = 0  # output tokens already reported by step()
+
+    @staticmethod
+    def _make_generator(seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed((seed * 1_000_003 + index) & 0xFFFF_FFFF_FFFF)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int, detokenizer: IncrementalDetokenizer) -> Sequence:
+        """A new sample of the same request, at the same point, with its own sampling state."""
+        child = Sequence(self.request, index, list(self.token_ids), detokenizer)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id!r}, {self.num_computed_tokens}/{self.num_tokens}, {self.status.value})"

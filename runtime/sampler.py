@@ -1,0 +1,93 @@
+"""Pick each sequence's next token from its logits row.
+
+Order per row: logprobs of the raw distribution (when asked) -> penalties -> greedy argmax,
+or temperature -> top_k -> top_p -> min_p -> a draw. The draw for a seeded sequence uses
+only that sequence's own generator (one draw per token), so its output does not depend
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from runtime.request import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vocab]
+    """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI)."""
+    params = seq.params
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
+        outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(outputs, minlength=logits.shape[0]).to(logits.dtype)  # [vocab]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:  # [vocab]
+    """Mask (to -inf) the tokens that top_k, top_p and min_p rule out; logits already tempered."""
+    if top_k > 0 and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
+        drop_sorted = mass_before >= top_p  # the best token always stays
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Turns a step's logits rows into one token (and optional logprobs) per sequence."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for sequences without a seed
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: SequenceOf[Sequence]  # logits: float32 [num_seqs, vocab]
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        logits = logits.float().cpu()
+        need_logprobs = any(s.params.logprobs is not None for s in seqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
+        all_greedy = all(s.params.is_greedy and not s.params.has_penalties for s in seqs)
+        if all_greedy:
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = [self._sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+        token_logprobs = [
+            self._logprobs(logprobs[i], token_ids[i], seq.params.logprobs) if seq.params.logprobs is not None else None
+            for i, seq in enumerate(seqs)
+        ]
+        return token_ids, token_logprobs
+
+    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+        params = seq.params
+        if params.has_penalties:
+            row = apply_penalties(row, seq)
+        if params.is_greedy:
+            return int(row.argmax())
+        row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = torch.softmax(row, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p (one draw per token).
+        noise = torch.empty_like(probs).exponential_(generator=seq.generator or self.generator)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
+        """The chosen token's logprob, then the top `num_top` tokens' (chosen first)."""
+        chosen = {token_id: float(row[token_id])}
+        if num_top:
+            values, ids = torch.topk(row, num_top)
+            for value, top_id in zip(values.tolist(), ids.tolist()):
+                chosen.setdefault(top_id, value)
+        return chosen

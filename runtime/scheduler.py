@@ -1,0 +1,179 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next step.
+
+Every sequence follows one rule: compute tokens until num_computed_tokens == num_tokens.
+Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+
+  1. running sequences with one token to go (decodes), oldest first;
+  2. running sequences with more to go (prefill chunks), oldest first, each chunk cut to
+     the budget left, so a long prompt never stalls the decodes;
+  3. waiting sequences, first come first served, each starting after its longest cached
+     prefix; none are admitted in a step that had to preempt.
+
+When the pool cannot cover a running sequence's tokens, the newest running sequence not
+yet scheduled this step is preempted: its pages go back, its computed count drops to 0,
+and it waits at the head of the queue to be recomputed (its tokens are kept, so its output
+does not change). If that sequence is the one asking, it preempts itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: sequences (decodes first) and how many new tokens each computes."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; moves sequences between them."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up, at first scheduling
+        self.prefix_cache_hits = 0  # of which found in cached pages
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's batch and take the pages it writes."""
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        preempted = False
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + chunks:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq, num_new):
+                victim = self._pick_victim(seq, scheduled)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+            self._add_to_batch(batch, seq, num_new, scheduled)
+            budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(batch, budget, scheduled)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str]) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            request = seq.request
+            num_seqs_after = len(self.running) + (1 if request.forked else request.params.n)
+            if num_seqs_after > self.max_num_seqs and self.running:
+                break
+            cached = self.kv.find_cached_prefix(seq)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.can_allocate(seq, num_new, cached):
+                break
+            batch.blocks_to_copy += self.kv.allocate(seq, num_new, cached)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, num_new, scheduled)
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int, scheduled: set[str]) -> None:
+        if num_new == 1 and batch.num_decodes == len(batch.seqs):
+            batch.num_decodes += 1
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        scheduled.add(seq.seq_id)
+
+    def _pick_victim(self, asking: Sequence, scheduled: set[str]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq is not asking and seq.seq_id not in scheduled:
+                return seq
+        return asking
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back the sequence's pages; it will be recomputed from its tokens."""
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Credit the computed tokens; return the sequences that now sample, with their logits row.
+
+        A request with n > 1 forks here, when its prompt is first fully computed: the forks
+        share every page and sample from the same logits row.
+        """
+        to_sample = []
+        row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            to_sample.append((seq, row))
+            if not seq.request.forked:
+                to_sample += [(child, row) for child in self._fork(seq)]
+            row += 1
+        return to_sample
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child = parent.fork(index, parent.detokenizer.copy())
+            self.kv.fork(parent, child)
+            request.sequences.append(child)
+            self.running.append(child)
+            children.append(child)
+        request.forked = True
+        return children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End the sequence and return its pages at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)

@@ -1,0 +1,91 @@
+"""Tokenizers: a checkpoint's tokenizer.json (via `tokenizers`), or the demo byte tokenizer.
+
+Both answer the same calls: encode, decode, bos/eos ids, vocab_size, apply_chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as _RustTokenizer
+
+from runtime.chat_template import ChatTemplate
+from runtime.model.config import UnsupportedModelError
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer from tokenizer.json + tokenizer_config.json."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise UnsupportedModelError(f"{model_dir} has no tokenizer.json")
+        self._tokenizer = _RustTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        self.chat_template = ChatTemplate(template, self.bos_token, self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt; a real template carries its own special tokens."""
+        text = self.chat_template.render(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=self.chat_template.is_fallback)
+
+
+class ByteTokenizer:
+    """The demo tokenizer: ids 0..255 are bytes, 256 is <bos>, 257 is <eos>."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    vocab_size = 258
+    bos_token = "<bos>"
+    eos_token = "<eos>"
+
+    def __init__(self) -> None:
+        self.chat_template = ChatTemplate(None, self.bos_token, self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytearray()
+        text = []
+        for token_id in token_ids:
+            if token_id < 256:
+                data.append(token_id)
+                continue
+            if not skip_special_tokens:
+                text.append(data.decode("utf-8", errors="replace"))
+                data.clear()
+                text.append(self.bos_token if token_id == self.bos_token_id else self.eos_token)
+        text.append(data.decode("utf-8", errors="replace"))
+        return "".join(text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=True)

@@ -1,4 +1,4 @@
-"""Attention through page tables for one step's flat batch of tokens.
+r"""Attention through page tables for one step's flat batch of tokens.
 
 A step's tokens are laid out flat, decodes first (one token each), then prefill chunks:
 

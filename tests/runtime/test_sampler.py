@@ -1,0 +1,103 @@
+"""Sampling: filters and penalties exactly, seeds reproducible in any batch, logprobs vs transformers."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+from runtime.sampler import apply_penalties, filter_logits
+from tests.runtime.helpers import make_seq
+
+
+@pytest.fixture(scope="module")
+def engine(stories_dir):
+    return Engine.from_pretrained(stories_dir, num_blocks=256)
+
+
+def _prompt(seed: int, n: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 512) for _ in range(n)]
+
+
+def test_top_k_keeps_exactly_k():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0])
+    kept = filter_logits(logits, top_k=2, top_p=1.0, min_p=0.0)
+    assert torch.isfinite(kept).tolist() == [False, True, True, False]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(filter_logits(logits, 0, 0.79, 0.0)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.81, 0.0)).tolist() == [True, True, True, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.01, 0.0)).tolist() == [True, False, False, False]
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(filter_logits(logits, 0, 1.0, 0.25)).tolist() == [True, True, True, False]
+
+
+def test_penalties_match_their_formulas():
+    seq = make_seq("p", [0, 1], repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    seq.token_ids += [2, 2, 3]  # outputs: 2 twice, 3 once
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0, 1.0])
+    out = apply_penalties(logits, seq)
+    # repetition over prompt+output: positive / 2, negative * 2; then output counts
+    expected = [1.0, -4.0, 0.5 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 1.0]
+    assert out.tolist() == pytest.approx(expected)
+
+
+def test_top_k_one_equals_greedy(engine):
+    prompt = _prompt(1)
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    top1 = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=1.3, top_k=1, seed=3, ignore_eos=True))[0]
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_any_batch(engine):
+    target = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    prompt = _prompt(2)
+    alone = engine.generate([prompt], target)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.0, seed=99, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
+    ]
+    batch = engine.generate([_prompt(3, 40), prompt, _prompt(4, 3), _prompt(5, 70)], [others[0], target, others[1], others[2]])
+    assert batch[1].outputs[0].token_ids == alone
+    reordered = engine.generate([prompt, _prompt(6, 20)], [target, others[0]])
+    assert reordered[0].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=4321, ignore_eos=True)
+    assert engine.generate([prompt], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_match_transformers(stories_dir, engine):
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompt(7)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
+    reference = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [8, vocab]
+    for i, (token_id, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert list(entry)[0] == token_id and len(entry) == 3  # chosen first; greedy: it is also the top 1
+        for tid, value in entry.items():
+            assert value == pytest.approx(float(reference[i, tid]), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_sampled_tokens_follow_the_distribution():
+    from runtime.sampler import Sampler
+
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None, :]
+    seq = make_seq("d", [0], temperature=1.0, seed=5)
+    sampler = Sampler()
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sampler(logits, [seq])[0][0]] += 1
+    for count, p in zip(counts, probs.tolist()):
+        assert abs(count / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000)

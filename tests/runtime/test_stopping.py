@@ -1,0 +1,60 @@
+"""When a sequence stops: max_tokens, stop strings (across tokens), stop token ids, EOS."""
+
+import pytest
+
+from runtime import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(stories_dir):
+    return Engine.from_pretrained(stories_dir, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def case(golden):
+    return golden["cases"][0]  # "Once upon a time" -> ", there was a little girl named Lily. ..."
+
+
+def _run(engine, case, **params):
+    params = {"max_tokens": 30, "temperature": 0, "ignore_eos": True} | params
+    return engine.generate([case["prompt"]], SamplingParams(**params))[0].outputs[0]
+
+
+def test_max_tokens_finishes_with_length(engine, case):
+    out = _run(engine, case, max_tokens=7)
+    assert out.token_ids == case["greedy_30_new_ids"][:7] and out.finish_reason == "length"
+
+
+def test_stop_string_spanning_tokens_is_cut(engine, case):
+    out = _run(engine, case, stop=["girl named"])
+    assert out.text == ", there was a little "
+    assert out.finish_reason == "stop" and out.stop_reason == "girl named"
+    kept = _run(engine, case, stop=["girl named"], include_stop_str_in_output=True)
+    assert kept.text == ", there was a little girl named"
+
+
+def test_stop_token_id_ends_the_sequence_and_is_kept_in_ids(engine, case):
+    target = case["greedy_30_new_ids"][5]
+    out = _run(engine, case, stop_token_ids=[target])
+    first = case["greedy_30_new_ids"].index(target)
+    assert out.token_ids == case["greedy_30_new_ids"][: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_eos_stops_unless_ignored(stories_dir, case):
+    engine = Engine.from_pretrained(stories_dir, num_blocks=64)
+    eos = case["greedy_30_new_ids"][3]
+    engine.eos_token_ids = frozenset({eos})
+    out = _run(engine, case, ignore_eos=False)
+    assert out.token_ids[-1] == eos and out.finish_reason == "stop" and out.stop_reason is None
+    assert len(_run(engine, case, ignore_eos=True).token_ids) == 30
+
+
+def test_streamed_text_never_shows_a_stop_string_prefix(engine, case):
+    engine.add_request("s", case["prompt"], SamplingParams(max_tokens=30, temperature=0, stop=["Lily."]))
+    pieces = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            pieces.append(output.outputs[0].new_text)
+    assert "".join(pieces) == ", there was a little girl named "
+    assert all("Lily" not in p for p in pieces)

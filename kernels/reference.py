@@ -38,9 +38,8 @@ def _gather_pages(
     block_table: torch.Tensor,  # int32 [..., max_blocks]
 ) -> torch.Tensor:
     """Gather a page table's pages into a contiguous [..., max_blocks * block_size, kv, d] view."""
-    pages = cache[block_table.long()]  # [..., max_blocks, block_size, num_kv_heads, head_dim]
-    shape = pages.shape
-    return pages.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    pages = cache.index_select(0, block_table.reshape(-1))  # [n_pages, block_size, num_kv_heads, head_dim]
+    return pages.view(*block_table.shape[:-1], block_table.shape[-1] * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
 def paged_decode_attention(
@@ -55,21 +54,23 @@ def paged_decode_attention(
     """One query token per sequence (the newest, at position context_len - 1) over its pages."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    keys = _gather_pages(k_cache, block_tables).float()  # [num_seqs, max_ctx, num_kv_heads, head_dim]
-    values = _gather_pages(v_cache, block_tables).float()
+    keys = _gather_pages(k_cache, block_tables)  # [num_seqs, max_ctx, num_kv_heads, head_dim]
+    values = _gather_pages(v_cache, block_tables)
     max_ctx = keys.shape[1]
-    q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", q_grouped, keys) * scale  # [num_seqs, kv, group, max_ctx]
     kv_pos = torch.arange(max_ctx, device=q.device)  # [max_ctx]
     lens = context_lens.long()[:, None]  # [num_seqs, 1]
     visible = kv_pos[None, :] < lens  # [num_seqs, max_ctx]
     if sliding_window is not None:
         visible &= kv_pos[None, :] >= lens - sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, values)  # [num_seqs, kv, group, head_dim]
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],  # [num_seqs, num_q_heads, 1, head_dim]
+        keys.float().transpose(1, 2),  # [num_seqs, num_kv_heads, max_ctx, head_dim]
+        values.float().transpose(1, 2),
+        attn_mask=visible[:, None, None, :],  # [num_seqs, 1, 1, max_ctx]
+        scale=scale,
+        enable_gqa=num_q_heads != num_kv_heads,
+    )  # [num_seqs, num_q_heads, 1, head_dim]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def paged_prefill_attention(

@@ -22,6 +22,8 @@ class KernelBackendError(ValueError):
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Return the concrete backend ("torch" or "triton") for `backend` on `device`."""
+    if backend == "torch":
+        return backend
     if backend not in BACKENDS:
         raise KernelBackendError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import structlog
 import torch
+from tqdm import tqdm
 
+import kernels
 from config import EngineSettings, load_engine_settings
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_cache_manager import KVCacheManager
@@ -49,7 +51,8 @@ class Engine:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         device = torch.device(settings.device)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, DTYPES[settings.dtype], settings.kernel_backend)
+        backend = kernels.resolve_backend(settings.kernel_backend, device)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, DTYPES[settings.dtype], backend)
         self.sampler = Sampler(settings.seed)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -260,8 +263,6 @@ class Engine:
         for request_id, prompt, p in zip(request_ids, prompts, params_list):
             self.add_request(request_id, prompt, p, cache_salt)
         finals: dict[str, RequestOutput] = {}
-        from tqdm import tqdm
-
         with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(finals) < len(request_ids):
                 for output in self.step():

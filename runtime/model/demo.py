@@ -45,7 +45,4 @@ def build_demo_model(device: torch.device, dtype: torch.dtype) -> LlamaForCausal
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.05, generator=generator)
-    model.to(device=device, dtype=dtype)
-    model.rope_cos.data = model.rope_cos.data.float()
-    model.rope_sin.data = model.rope_sin.data.float()
-    return model.eval()
+    return model.place(device, dtype)

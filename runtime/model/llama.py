@@ -96,9 +96,15 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
-        cos, sin = rope_cos_sin(config, config.max_position_embeddings)
-        self.register_buffer("rope_cos", cos, persistent=False)  # float32 [max_positions, head_dim]
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """Move weights to `device` in `dtype`; the rotation tables stay float32 (as in transformers)."""
+        self.to(device=device, dtype=dtype)
+        cos, sin = rope_cos_sin(self.config, self.config.max_position_embeddings)
+        self.rope_cos = cos.to(device)  # float32 [max_positions, head_dim]
+        self.rope_sin = sin.to(device)
+        return self.eval()
 
     def forward(
         self,

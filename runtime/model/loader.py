@@ -115,9 +115,6 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model for `config` on `device` in `dtype` and load its checkpoint weights."""
     with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model.to(dtype=dtype)
-    model.rope_cos.data = model.rope_cos.data.float()  # the rotation table stays float32
-    model.rope_sin.data = model.rope_sin.data.float()
+        model = LlamaForCausalLM(config).place(device, dtype)
     load_weights(model, model_dir, show_progress)
-    return model.eval()
+    return model

@@ -8,7 +8,7 @@ MODEL ?= $(shell test -d ../shared/models/stories260K && echo ../shared/models/s
 PROMPT ?= Once upon a time
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(VENV)/bin/pagedserve serve --model $(MODEL) $(ARGS)
+
+generate: $(STAMP)
 	$(VENV)/bin/pagedserve generate --model $(MODEL) --max-tokens 120 "$(PROMPT)"
 
 test: $(STAMP)

@@ -1,5 +1,12 @@
 """Settings for every part: msgspec Structs, defaults in default.toml."""
 
-from config.settings import ConfigError, EngineSettings, load_engine_settings
+from config.settings import (
+    ConfigError,
+    EngineSettings,
+    ServerSettings,
+    Settings,
+    load_engine_settings,
+    load_settings,
+)
 
-__all__ = ["ConfigError", "EngineSettings", "load_engine_settings"]
+__all__ = ["ConfigError", "EngineSettings", "ServerSettings", "Settings", "load_engine_settings", "load_settings"]

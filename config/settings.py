@@ -1,13 +1,18 @@
-"""Typed settings (msgspec Structs) with defaults read from config/default.toml."""
+"""Typed settings (msgspec Structs): defaults in default.toml, then a TOML file, then the
+environment (PAGEDSERVE_<SECTION>_<KEY>), then command-line flags. Unknown keys are errors
+that name them."""
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
+ENV_PREFIX = "PAGEDSERVE_"
 
 
 class ConfigError(ValueError):
@@ -44,13 +49,83 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
 
 
-def load_engine_settings(path: str | Path | None = None, **overrides) -> EngineSettings:
-    """Defaults from default.toml, then `path`'s [engine] table, then keyword overrides (None = unset)."""
-    table = tomllib.loads(DEFAULT_TOML.read_text()).get("engine", {})
+class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The HTTP side: where it listens, what it serves, how much it queues."""
+
+    model: str = "demo"  # a Hugging Face checkpoint folder, or "demo" (random weights)
+    served_model_name: str | None = None  # the id clients send; defaults to the folder name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1024 * 1024
+    max_queued_requests: int = 256  # requests waiting beyond max_num_seqs; past it: 429
+    shutdown_timeout_s: float = 30.0
+    log_level: str = "info"
+    log_json: bool | None = None  # None: JSON unless stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("server.max_body_bytes must be at least 1024")
+        if self.max_queued_requests < 0:
+            raise ConfigError("server.max_queued_requests must be >= 0")
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+
+
+SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
+
+
+def _env_table(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """PAGEDSERVE_ENGINE_NUM_BLOCKS=64 -> {"engine": {"num_blocks": "64"}}; unknown keys raise."""
+    table: dict[str, dict[str, str]] = {}
+    for name, value in environ.items():
+        for section, struct in SECTIONS.items():
+            prefix = f"{ENV_PREFIX}{section.upper()}_"
+            if name.startswith(prefix):
+                key = name[len(prefix) :].lower()
+                if key not in struct.__struct_fields__:
+                    raise ConfigError(f"unknown setting {name} (no {section}.{key})")
+                table.setdefault(section, {})[key] = value
+    return table
+
+
+def _merge(base: dict, update: Mapping) -> None:
+    for section, values in update.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown settings section [{section}]")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{section}] must be a table")
+        base.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+
+
+def load_settings(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping] | None = None,
+) -> Settings:
+    """Defaults, then the TOML file at `path`, then PAGEDSERVE_* variables, then `overrides`
+    ({"engine": {...}, "server": {...}}; None values are ignored)."""
+    table: dict = {}
+    _merge(table, tomllib.loads(DEFAULT_TOML.read_text()))
     if path is not None:
-        table.update(tomllib.loads(Path(path).read_text()).get("engine", {}))
-    table.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            _merge(table, tomllib.loads(Path(path).read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read settings file {path}: {exc}") from exc
+    from_env = _env_table(os.environ if environ is None else environ)
+    _merge(table, from_env)
+    _merge(table, overrides or {})
     try:
-        return msgspec.convert(table, EngineSettings)
+        # strings from the environment convert to ints/bools; TOML values keep their types
+        return msgspec.convert(table, Settings, strict=not from_env)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"engine settings: {exc}") from exc
+        raise ConfigError(f"settings: {exc}") from exc
+
+
+def load_engine_settings(path: str | Path | None = None, **overrides) -> EngineSettings:
+    """Engine settings alone: defaults, the file's [engine] table, then keyword overrides."""
+    return load_settings(path, environ={}, overrides={"engine": overrides}).engine

@@ -118,7 +118,7 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = self.tokenize(prompt)
-        self._check_fits(len(token_ids), params)
+        self.check_fits(len(token_ids), params)
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt)
         detokenizer = IncrementalDetokenizer(
@@ -129,7 +129,8 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

@@ -39,9 +39,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from config import ConfigError, load_settings
+    from service.server import run
+
+    try:
+        settings = load_settings(args.config, overrides={
+            "server": {"model": args.model, "host": args.host, "port": args.port,
+                       "served_model_name": args.served_model_name},
+            "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
+                       "max_num_seqs": args.max_num_seqs},
+        })
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level or settings.server.log_level, settings.server.log_json)
+    run(settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with a paged KV cache")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default=None, help="debug, info, warning, error")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt")
@@ -58,13 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stop-token-id", type=int, action="append", help="stop token id (repeatable)")
     gen.set_defaults(func=_generate)
+
+    srv = commands.add_parser("serve", help="serve the OpenAI-compatible API (SSE and WebSockets)")
+    srv.add_argument("--model", default=None, help="Hugging Face checkpoint folder, or 'demo' (random weights)")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--host", default=None)
+    srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--config", help="TOML settings file (see config/default.toml)")
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--dtype", default=None)
+    srv.add_argument("--num-blocks", type=int, default=None)
+    srv.add_argument("--max-num-seqs", type=int, default=None)
+    srv.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    if args.command == "generate":
+        configure_logging(args.log_level or "warning")
     return args.func(args)
 
 

@@ -1,0 +1,187 @@
+"""The bridge between the event loop and the engine thread.
+
+The engine thread is the only owner of runtime state. The loop talks to it through a
+thread-safe inbox of commands (add, abort); the thread drains the inbox between steps,
+runs `engine.step()`, and hands each step's outputs back to the loop once per step with
+`loop.call_soon_threadsafe`. On the loop, outputs are fanned out to per-request streams.
+
+    loop                          engine thread
+    submit() --add-->  inbox  --> drain -> engine.add_request
+    abort()  --abort-> inbox  --> drain -> engine.abort_request
+    _deliver(outputs) <-- call_soon_threadsafe -- engine.step()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from service.streams import RequestStream
+
+log = structlog.get_logger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks on the inbox before looking again
+
+
+class EngineLike(Protocol):
+    """What the bridge needs from an engine (runtime.Engine, or a stub in benchmarks)."""
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: bytes | None = None) -> None: ...
+    def abort_request(self, request_id: str) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict: ...
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: bytes | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineBridge:
+    """Runs the engine on its own thread; streams its outputs to asyncio consumers."""
+
+    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, RequestStream] = {}  # loop side: live streams by request id
+        self.stats: dict = engine.stats()  # latest snapshot, replaced once per step
+        self.num_steps = 0
+        self.healthy = True
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stop_event = threading.Event()
+        self.on_step = None  # optional loop-side callback(outputs, stats)
+
+    # --- loop side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+               cache_salt: bytes | None = None) -> None:
+        """Register the stream and send its request to the engine (returns at once)."""
+        if stream.request_id in self.streams:
+            raise InvalidRequestError(f"request id {stream.request_id!r} is already in use", param="id")
+        self.streams[stream.request_id] = stream
+        self.inbox.put(_Add(stream, prompt_token_ids, params, cache_salt))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are free by the end of the engine's next step."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self.inbox.put(_Abort(request_id))
+            stream.close("abort")
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.streams)
+
+    async def stop(self) -> None:
+        """Abort everything still running and join the engine thread."""
+        for request_id in list(self.streams):
+            self.abort(request_id)
+        self._stop_event.set()
+        self.inbox.put(_STOP)
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    def _deliver(self, outputs: list[RequestOutput], stats: dict, failed: dict[str, Exception]) -> None:
+        self.stats = stats
+        now = time.monotonic()
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted on the loop side already
+            stream.push(output, now)
+            if output.finished:
+                self.streams.pop(output.request_id, None)
+        for request_id, error in failed.items():
+            stream = self.streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(error)
+        if self.on_step is not None:
+            self.on_step(outputs, stats)
+
+    # --- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        log.info("engine thread started")
+        while not self._stop_event.is_set():
+            failed: dict[str, Exception] = {}
+            block = not self.engine.has_unfinished_requests()
+            if not self._drain(block, failed):
+                break
+            outputs: list[RequestOutput] = []
+            try:
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+            except Exception as exc:  # an engine bug must not hang every client
+                log.exception("engine step failed")
+                failed.update(self._abort_all(exc))
+            if outputs or failed or block:
+                self._post(outputs, failed)
+        log.info("engine thread stopped")
+
+    def _drain(self, block: bool, failed: dict[str, Exception]) -> bool:
+        """Apply every queued command; wait for one first if the engine is idle. False on stop."""
+        try:
+            command = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                request_id = command.stream.request_id
+                try:
+                    self.engine.add_request(request_id, command.prompt_token_ids, command.params, command.cache_salt)
+                except Exception as exc:
+                    failed[request_id] = exc
+            else:
+                self.engine.abort_request(command.request_id)
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort_all(self, error: Exception) -> dict[str, Exception]:
+        failed = {}
+        for request_id in list(getattr(self.engine, "requests", {})):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort after engine failure failed", request_id=request_id)
+            failed[request_id] = error
+        try:
+            self.engine.step()  # flush the aborts
+        except Exception:
+            self.healthy = False
+            log.exception("engine cannot recover")
+        return failed
+
+    def _post(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> None:
+        stats = self.engine.stats()
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, outputs, stats, failed)
+        except RuntimeError:  # loop closed: shutting down
+            self._stop_event.set()

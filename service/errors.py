@@ -1,0 +1,101 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from runtime.sampling_params import InvalidRequestError
+
+log = structlog.get_logger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as is."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def from_invalid_request(exc: InvalidRequestError) -> APIError:
+    return APIError(400, exc.message, exc.param, exc.code)
+
+
+_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def from_validation_error(exc: msgspec.ValidationError) -> APIError:
+    """msgspec's message names the path ("... - at `$.messages[0].role`"): use it as `param`."""
+    message = str(exc)
+    unknown = _UNKNOWN_FIELD.search(message)
+    at = _AT_PATH.search(message)
+    param = None
+    if at and at.group(1):
+        param = at.group(1)
+    if unknown:
+        param = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+    return APIError(400, message, param, "invalid_value" if not unknown else "unknown_parameter")
+
+
+def from_exception(exc: Exception) -> APIError:
+    """Any exception as the APIError a client should see (500 only for our own bugs)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return from_invalid_request(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, msgspec.DecodeError):
+        return APIError(400, f"request body is not valid JSON: {exc}", None, "invalid_json")
+    return APIError(500, "internal error while generating; the request was stopped", None, "internal_error")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Turn every error into the OpenAI error shape; aiohttp's own HTTP errors included."""
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        raise
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app._client_max_size
+        return APIError(413, f"request body too large (limit {limit} bytes)", None, "request_too_large").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return APIError(exc.status, exc.reason or "error", None, None, allow).response()
+    except (APIError, InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return from_exception(exc).response()
+    except Exception as exc:
+        log.exception("unhandled error", path=request.path)
+        return from_exception(exc).response()

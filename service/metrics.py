@@ -1,0 +1,77 @@
+"""Prometheus metrics: engine gauges from the latest step's stats, request histograms from streams.
+
+Names follow vLLM's (with our prefix) so dashboards port over. One registry per app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from service.streams import RequestStream
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineStatsCollector:
+    """Reads the bridge's latest engine stats snapshot at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], dict]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self):
+        stats = self.get_stats()
+        gauges = {
+            "pagedserve_num_requests_running": ("Sequences in the running batch", stats["num_running"]),
+            "pagedserve_num_requests_waiting": ("Sequences waiting to be scheduled", stats["num_waiting"]),
+            "pagedserve_kv_blocks_total": ("KV pages in the pool", stats["num_blocks"]),
+            "pagedserve_kv_blocks_in_use": ("KV pages with ref_count > 0", stats["num_blocks"] - stats["num_free_blocks"]),
+            "pagedserve_kv_blocks_free": ("KV pages with ref_count 0, cached or not", stats["num_free_blocks"]),
+            "pagedserve_kv_blocks_cached": ("KV pages holding a hashed prefix block", stats["num_cached_blocks"]),
+            "pagedserve_kv_tokens": ("Token slots holding K/V of live sequences", stats["num_kv_tokens"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "pagedserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats["prefix_cache_queries"]),
+            "pagedserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
+            "pagedserve_num_preemptions": ("Sequences preempted for recompute", stats["num_preemptions"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServiceMetrics:
+    """Request-level counters and latency histograms, plus the engine collector."""
+
+    def __init__(self, get_stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(get_stats))
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.cached_tokens = Counter("pagedserve_cached_prompt_tokens", "Prompt tokens served from cached pages", registry=self.registry)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated and sent", registry=self.registry)
+        self.requests = Counter("pagedserve_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Time between token deliveries",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Request latency, arrival to end",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, stream: RequestStream, finish_reason: str, elapsed: float) -> None:
+        self.prompt_tokens.inc(stream.num_prompt_tokens)
+        self.cached_tokens.inc(stream.num_cached_tokens)
+        self.generation_tokens.inc(stream.num_output_tokens)
+        self.requests.labels(finished_reason=finish_reason).inc()
+        if stream.ttft is not None:
+            self.ttft.observe(stream.ttft)
+        for gap in stream.inter_token_latencies:
+            self.itl.observe(gap)
+        self.e2e.observe(elapsed)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

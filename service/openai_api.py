@@ -1,0 +1,96 @@
+"""OpenAI-compatible HTTP endpoints: chat and text completions (JSON or SSE), models."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from service.errors import from_exception
+from service.formatting import ChatFormat, CompletionFormat
+from service.generation import ChoiceAccumulator, Generation, new_request_id
+from service.protocol import ChatCompletionRequest, CompletionRequest, decode_body
+from service.state import STATE, ServiceState
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def chat_generation(state: ServiceState, body: ChatCompletionRequest) -> Generation:
+    """Validate a chat body and build its Generation (not started)."""
+    state.check_model(body.model)
+    prompt = state.tokenizer.apply_chat_template(body.message_dicts())
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top)
+    return Generation(state, body, [prompt], fmt)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode_body(await request.read(), ChatCompletionRequest)
+    return await _respond(request, chat_generation(state, body))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode_body(await request.read(), CompletionRequest)
+    state.check_model(body.model)
+    prompts = [state.engine.tokenize(p) for p in body.prompts()]
+    fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs)
+    return await _respond(request, Generation(state, body, prompts, fmt))
+
+
+async def _respond(request: web.Request, generation: Generation) -> web.StreamResponse:
+    generation.start()
+    try:
+        if generation.body.stream:
+            return await _stream_sse(request, generation)
+        return await _whole_response(generation)
+    finally:
+        generation.finish()
+
+
+async def _whole_response(generation: Generation) -> web.Response:
+    acc = ChoiceAccumulator()
+    async for deltas in generation.deltas():
+        for index, delta in deltas:
+            acc.add(index, delta)
+    fmt = generation.fmt
+    choices = [fmt.final_choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(acc.choices.items())]
+    return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json")
+
+
+def _event(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def _stream_sse(request: web.Request, generation: Generation) -> web.StreamResponse:
+    """data: {chunk} ... [data: {usage chunk}] data: [DONE]; an engine failure sends an error event first."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    fmt = generation.fmt
+    include_usage = generation.body.include_usage
+    started: set[int] = set()
+    try:
+        async for deltas in generation.deltas():
+            choices = []
+            for index, delta in deltas:
+                choices.append(fmt.delta_choice(index, delta, first=index not in started))
+                started.add(index)
+            await response.write(_event(fmt.chunk(choices, None, include_usage)))
+    except (ConnectionResetError, ConnectionError):
+        return response  # the client left; finish() aborts the engine requests
+    except Exception as exc:
+        await response.write(_event(from_exception(exc).body()))
+    if include_usage:
+        await response.write(_event(fmt.chunk([], generation.usage(), True)))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {"id": state.model_name, "object": "model", "created": int(state.created), "owned_by": "pagedserve",
+            "max_model_len": state.engine.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})

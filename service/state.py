@@ -1,0 +1,50 @@
+"""What every handler shares: settings, the engine (read-only from the loop), the bridge, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from config import Settings
+from service.bridge import EngineBridge
+from service.errors import APIError
+from service.metrics import ServiceMetrics
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    engine: object  # runtime.Engine or a stand-in: tokenizer, tokenize, check_fits, max_model_len
+    bridge: EngineBridge
+    metrics: ServiceMetrics
+    model_name: str
+    draining: bool = False
+    created: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.bridge.healthy
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def check_admission(self, num_requests: int) -> None:
+        """503 while draining or broken; 429 when the queue beyond the running batch is full."""
+        if not self.ready:
+            raise APIError(503, "the server is shutting down or unhealthy; retry on another replica", None,
+                           "service_unavailable", {"Retry-After": "5"})
+        limit = self.settings.engine.max_num_seqs + self.settings.server.max_queued_requests
+        if self.bridge.num_inflight + num_requests > limit:
+            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly", None,
+                           "too_many_requests", {"Retry-After": "1"})
+
+
+STATE = web.AppKey("state", ServiceState)

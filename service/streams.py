@@ -1,0 +1,130 @@
+"""Per-request streams on the event loop: the engine's step outputs, merged until read.
+
+A slow reader never makes memory grow per step: each step's new tokens and text are
+appended to one pending delta per choice, and the reader takes everything pending at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from runtime.outputs import RequestOutput
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice (sample) gained since the reader last looked."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class StreamError(RuntimeError):
+    """The engine failed this request; the message is safe to show the client."""
+
+
+class RequestStream:
+    """A mailbox for one request's outputs, with its timing and token counts."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, n: int = 1, wakeup: asyncio.Event | None = None) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self.num_cached_tokens = 0
+        self.num_completion_tokens = [0] * n  # per choice, tokens handed to the reader
+        self.finish_reasons: list[str | None] = [None] * n
+        self.finished = False
+        self.error: Exception | None = None
+        self.created_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.inter_token_latencies: list[float] = []  # seconds between steps that brought tokens
+        self._pending: dict[int, ChoiceDelta] = {}
+        self._event = wakeup or asyncio.Event()  # may be shared by the streams of one HTTP request
+
+    # --- producer side (the bridge, on the loop) ----------------------------------------
+
+    def push(self, output: RequestOutput, now: float) -> None:
+        """Merge one step's output into the pending deltas."""
+        got_tokens = False
+        for completion in output.outputs:
+            index = completion.index
+            new_ids = completion.new_token_ids
+            if not (new_ids or completion.new_text or completion.finish_reason):
+                continue
+            delta = self._pending.setdefault(index, ChoiceDelta(index))
+            delta.text += completion.new_text
+            delta.token_ids += new_ids
+            if completion.logprobs is not None and new_ids:
+                delta.logprobs += completion.logprobs[-len(new_ids):]
+            if completion.finish_reason is not None:
+                delta.finish_reason = completion.finish_reason
+                self.finish_reasons[index] = completion.finish_reason
+            self.num_completion_tokens[index] += len(new_ids)
+            got_tokens = got_tokens or bool(new_ids)
+        self.num_cached_tokens = output.num_cached_tokens
+        if got_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.inter_token_latencies.append(now - self.last_token_at)
+            self.last_token_at = now
+        if output.finished:
+            self.finished = True
+        self._event.set()
+
+    def close(self, reason: str) -> None:
+        """End the stream from the loop side (cancel, disconnect, shutdown)."""
+        if not self.finished:
+            self.finished = True
+            self.finish_reasons = [r or reason for r in self.finish_reasons]
+        self._event.set()
+
+    def fail(self, error: Exception) -> None:
+        """End the stream with an engine error."""
+        self.error = error
+        self.finished = True
+        self._event.set()
+
+    # --- consumer side ------------------------------------------------------------------
+
+    def take(self) -> list[ChoiceDelta]:
+        """Everything pending, merged per choice; empties the mailbox."""
+        pending, self._pending = list(self._pending.values()), {}
+        return pending
+
+    async def deltas(self):
+        """Yield lists of ChoiceDelta as they arrive; ends when the request ends."""
+        async for _, pending in follow([self], self._event):
+            yield pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.num_completion_tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.created_at
+
+
+async def follow(streams: list[RequestStream], wakeup: asyncio.Event):
+    """Yield (stream position, deltas) from streams that share `wakeup`, until all have ended.
+
+    Raises a stream's engine error after yielding what came before it.
+    """
+    while True:
+        await wakeup.wait()
+        wakeup.clear()
+        for position, stream in enumerate(streams):
+            pending = stream.take()
+            if pending:
+                yield position, pending
+            if stream.error is not None:
+                raise stream.error
+        if all(stream.finished for stream in streams):
+            return

@@ -1,0 +1,131 @@
+"""GET /v1/stream: many chat completions over one WebSocket, each with its own id.
+
+client -> {"type": "request", "id": "r1", "body": {...chat completion body...}}
+client -> {"type": "cancel", "id": "r1"}
+server -> {"type": "chunk", "id": "r1", "completion_id": "chatcmpl-...", ...other chunk fields...}
+server -> {"type": "done", "id": "r1", "usage": {...}, "finish_reasons": [...]}
+server -> {"type": "error", "id": "r1" | null, "error": {...}}
+
+A cancel ends that request (its usage so far comes in its "done"); closing the socket
+ends all of its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import msgspec
+import structlog
+from aiohttp import WSMsgType, web
+
+from service.errors import APIError, from_exception
+from service.openai_api import chat_generation
+from service.protocol import ChatCompletionRequest
+from service.state import STATE
+
+log = structlog.get_logger(__name__)
+
+
+class Command(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["request", "cancel"]
+    id: str
+    body: dict[str, Any] | None = None
+
+
+class Socket:
+    """One client connection: its running requests and a serialized writer."""
+
+    def __init__(self, ws: web.WebSocketResponse, state) -> None:
+        self.ws = ws
+        self.state = state
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.cancelled: set[str] = set()
+        self.write_lock = asyncio.Lock()
+
+    async def send(self, message: dict) -> None:
+        if self.ws.closed:
+            return
+        async with self.write_lock:
+            await self.ws.send_str(msgspec.json.encode(message).decode())
+
+    async def error(self, request_id: str | None, exc: Exception) -> None:
+        await self.send({"type": "error", "id": request_id, "error": from_exception(exc).body()["error"]})
+
+    async def handle(self, raw: str) -> None:
+        try:
+            command = msgspec.json.decode(raw, type=Command)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            await self.error(None, exc)
+            return
+        if command.type == "cancel":
+            task = self.tasks.get(command.id)
+            if task is None:
+                await self.error(command.id, APIError(404, f"no running request with id {command.id!r}", "id"))
+                return
+            self.cancelled.add(command.id)
+            task.cancel()
+            return
+        if command.id in self.tasks:
+            await self.error(command.id, APIError(400, f"request id {command.id!r} is already running", "id"))
+            return
+        self.tasks[command.id] = asyncio.create_task(self.run(command.id, command.body or {}))
+
+    async def run(self, request_id: str, raw_body: dict) -> None:
+        generation = None
+        try:
+            body = msgspec.convert(raw_body, ChatCompletionRequest, strict=True)
+            generation = chat_generation(self.state, body)
+            generation.start()
+            fmt = generation.fmt
+            started: set[int] = set()
+            async for deltas in generation.deltas():
+                choices = []
+                for index, delta in deltas:
+                    choices.append(fmt.delta_choice(index, delta, first=index not in started))
+                    started.add(index)
+                chunk = fmt.chunk(choices)
+                chunk["completion_id"] = chunk.pop("id")  # "id" is the client's request id
+                await self.send({"type": "chunk", "id": request_id, **chunk})
+            await self._done(request_id, generation)
+        except asyncio.CancelledError:
+            if generation is not None:
+                for stream in generation.streams:
+                    if not stream.finished:
+                        self.state.bridge.abort(stream.request_id)
+            if request_id in self.cancelled and generation is not None:
+                await self._done(request_id, generation)
+            elif request_id not in self.cancelled:
+                raise
+        except Exception as exc:
+            await self.error(request_id, exc)
+        finally:
+            if generation is not None:
+                generation.finish()
+            self.tasks.pop(request_id, None)
+            self.cancelled.discard(request_id)
+
+    async def _done(self, request_id: str, generation) -> None:
+        reasons = [r for s in generation.streams for r in s.finish_reasons]
+        await self.send({"type": "done", "id": request_id, "usage": generation.usage(), "finish_reasons": reasons})
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+async def websocket_stream(request: web.Request) -> web.WebSocketResponse:
+    state = request.app[STATE]
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=state.settings.server.max_body_bytes)
+    await ws.prepare(request)
+    socket = Socket(ws, state)
+    try:
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await socket.handle(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await socket.error(None, APIError(400, "send JSON text frames", None))
+    finally:
+        await socket.close()
+    return ws

@@ -1,0 +1,83 @@
+"""The process: SIGTERM drains (ready 503, new requests 503, running streams finish), then exits."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read()}")
+        try:
+            if requests.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became ready")
+
+
+def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"PAGEDSERVE_SERVER_SHUTDOWN_TIMEOUT_S": "20", "PAGEDSERVE_ENGINE_NUM_BLOCKS": "128"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--model", str(stories_dir), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        _wait_ready(url, proc)
+        assert requests.get(url + "/health", timeout=5).json() == {"status": "ok"}
+        events: list[bytes] = []
+
+        def stream():
+            body = {"model": "stories260K", "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                    "temperature": 0}
+            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not events:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert requests.get(url + "/ready", timeout=5).status_code == 503
+        refused = requests.post(url + "/v1/completions", json={"model": "stories260K", "prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
+        reader.join(60)
+        assert events[-1] == b"data: [DONE]"
+        last = json.loads(events[-2][len(b"data: "):])
+        assert last["choices"][0]["finish_reason"] == "length"  # it ran to the end, not aborted
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_metrics_expose_the_documented_names(server):
+    requests.post(server.url + "/v1/completions", json={"model": "stories260K", "prompt": "Hi", "max_tokens": 3}, timeout=30)
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting", "pagedserve_kv_blocks_total",
+                 "pagedserve_kv_blocks_in_use", "pagedserve_kv_blocks_cached", "pagedserve_prefix_cache_queries_total",
+                 "pagedserve_prefix_cache_hits_total", "pagedserve_num_preemptions_total",
+                 "pagedserve_prompt_tokens_total", "pagedserve_generation_tokens_total",
+                 "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_inter_token_latency_seconds_bucket"):
+        assert f"\n{name}" in text, name
+    assert "pagedserve_kv_blocks_total 256.0" in text

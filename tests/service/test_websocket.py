@@ -1,0 +1,99 @@
+"""GET /v1/stream with the `websockets` client: many requests per socket, cancel by id."""
+
+import asyncio
+import json
+
+import websockets
+
+
+def _ws_url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/stream"
+
+
+def _request(request_id: str, content: str, **extra) -> str:
+    body = {"model": "stories260K", "messages": [{"role": "user", "content": content}], "temperature": 0} | extra
+    return json.dumps({"type": "request", "id": request_id, "body": body})
+
+
+async def _collect(ws, until_done: set[str]) -> dict[str, list[dict]]:
+    events: dict[str, list[dict]] = {}
+    while until_done:
+        message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        events.setdefault(message["id"], []).append(message)
+        if message["type"] in ("done", "error"):
+            until_done.discard(message["id"])
+    return events
+
+
+def test_concurrent_requests_on_one_socket(server):
+    async def main():
+        async with websockets.connect(_ws_url(server)) as ws:
+            for i in range(4):
+                await ws.send(_request(f"r{i}", f"Story {i}", max_tokens=10 + i))
+            return await _collect(ws, {f"r{i}" for i in range(4)})
+
+    events = asyncio.run(main())
+    for i in range(4):
+        chunks = [e for e in events[f"r{i}"] if e["type"] == "chunk"]
+        done = events[f"r{i}"][-1]
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == 10 + i
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[0]["object"] == "chat.completion.chunk"
+    server.wait_idle()
+
+
+def test_cancel_stops_one_request_and_reports_its_usage(server):
+    async def main():
+        async with websockets.connect(_ws_url(server)) as ws:
+            await ws.send(_request("long", "A long story", max_tokens=400, ignore_eos=True))
+            await ws.send(_request("short", "Hi", max_tokens=5))
+            seen_long = 0
+            events = []
+            while True:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                events.append(message)
+                if message["id"] == "long" and message["type"] == "chunk":
+                    seen_long += 1
+                    if seen_long == 3:
+                        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+                if message["id"] == "long" and message["type"] == "done":
+                    break
+            return events
+
+    events = asyncio.run(main())
+    done = [e for e in events if e["id"] == "long" and e["type"] == "done"][0]
+    assert done["finish_reasons"] == ["abort"]
+    assert 3 <= done["usage"]["completion_tokens"] < 400
+    server.wait_idle()
+
+
+def test_bad_messages_get_error_events_and_the_socket_stays_open(server):
+    async def main():
+        async with websockets.connect(_ws_url(server)) as ws:
+            await ws.send("{nope")
+            bad_json = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "request", "id": "x", "body": {"model": "nope", "messages": []}}))
+            bad_model = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "cancel", "id": "ghost"}))
+            ghost = json.loads(await ws.recv())
+            await ws.send(_request("ok", "Hi", max_tokens=3))
+            ok = await _collect(ws, {"ok"})
+            return bad_json, bad_model, ghost, ok
+
+    bad_json, bad_model, ghost, ok = asyncio.run(main())
+    assert bad_json["type"] == "error" and bad_json["id"] is None
+    assert bad_model["type"] == "error" and bad_model["error"]["code"] == "model_not_found"
+    assert ghost["type"] == "error" and ghost["id"] == "ghost"
+    assert ok["ok"][-1]["type"] == "done"
+
+
+def test_closing_the_socket_aborts_its_requests(server):
+    async def main():
+        async with websockets.connect(_ws_url(server)) as ws:
+            for i in range(3):
+                await ws.send(_request(f"c{i}", "Go", max_tokens=400, ignore_eos=True))
+            await ws.recv()
+
+    asyncio.run(main())
+    server.wait_idle()

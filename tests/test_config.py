@@ -1,0 +1,37 @@
+"""Settings: defaults from TOML, a file, PAGEDSERVE_* variables, overrides; unknown keys named."""
+
+import pytest
+
+from config import ConfigError, load_settings
+
+
+def test_defaults_come_from_default_toml():
+    settings = load_settings(environ={})
+    assert settings.engine.block_size == 16 and settings.server.port == 8000 and settings.server.model == "demo"
+
+
+def test_file_then_environment_then_overrides(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("[engine]\nblock_size = 32\nmax_num_seqs = 8\n[server]\nport = 9001\n")
+    settings = load_settings(path, environ={"PAGEDSERVE_ENGINE_MAX_NUM_SEQS": "12", "PAGEDSERVE_SERVER_PORT": "9002"},
+                             overrides={"server": {"port": 9003, "host": None}})
+    assert settings.engine.block_size == 32 and settings.engine.max_num_seqs == 12
+    assert settings.server.port == 9003 and settings.server.host == "127.0.0.1"
+
+
+def test_unknown_keys_are_named(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("[engine]\nblok_size = 32\n")
+    with pytest.raises(ConfigError, match="blok_size"):
+        load_settings(path, environ={})
+    with pytest.raises(ConfigError, match="PAGEDSERVE_ENGINE_NUM_BLOKS"):
+        load_settings(environ={"PAGEDSERVE_ENGINE_NUM_BLOKS": "3"})
+    with pytest.raises(ConfigError, match="servr"):
+        load_settings(overrides={"servr": {"port": 1}})
+
+
+def test_bad_values_are_errors():
+    with pytest.raises(ConfigError, match="block_size"):
+        load_settings(environ={}, overrides={"engine": {"block_size": 12}})
+    with pytest.raises(ConfigError, match="port"):
+        load_settings(environ={"PAGEDSERVE_SERVER_PORT": "not-a-number"})

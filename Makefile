@@ -30,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_service.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -29,6 +29,7 @@ from service.streams import RequestStream
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks on the inbox before looking again
+MAX_UNDELIVERED_STEPS = 2  # the engine thread waits when the loop is this many steps behind
 
 
 class EngineLike(Protocol):
@@ -70,6 +71,7 @@ class EngineBridge:
         self.healthy = True
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop_event = threading.Event()
+        self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
         self.on_step = None  # optional loop-side callback(outputs, stats)
 
     # --- loop side ----------------------------------------------------------------------
@@ -105,6 +107,7 @@ class EngineBridge:
         await asyncio.to_thread(self._thread.join, 10.0)
 
     def _deliver(self, outputs: list[RequestOutput], stats: dict, failed: dict[str, Exception]) -> None:
+        self._undelivered.release()
         self.stats = stats
         now = time.monotonic()
         for output in outputs:
@@ -181,7 +184,11 @@ class EngineBridge:
 
     def _post(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> None:
         stats = self.engine.stats()
+        while not self._undelivered.acquire(timeout=IDLE_WAIT_S):  # the loop is behind: let it catch up
+            if self._stop_event.is_set():
+                return
         try:
             self.loop.call_soon_threadsafe(self._deliver, outputs, stats, failed)
         except RuntimeError:  # loop closed: shutting down
+            self._undelivered.release()
             self._stop_event.set()

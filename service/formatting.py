@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from service.streams import ChoiceDelta
 
 
@@ -27,12 +29,22 @@ class ResponseFormat:
         self.model = model
         self.tokenizer = tokenizer
         self.num_top_logprobs = num_top_logprobs
+        self._sse_head: bytes | None = None
+        self._sse_tail = b""
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
+
+    def sse_event(self, choices: list[dict], include_usage: bool) -> bytes:
+        """`data: {chunk}\n\n` for these choices; the constant head and tail are encoded once."""
+        if self._sse_head is None:
+            head = msgspec.json.encode(self.chunk([], None, include_usage))
+            cut = head.index(b'"choices":[]') + len(b'"choices":')
+            self._sse_head, self._sse_tail = b"data: " + head[:cut], head[cut + 2 :] + b"\n\n"
+        return self._sse_head + msgspec.json.encode(choices) + self._sse_tail
 
     def chunk(self, choices: list[dict], usage: dict | None = None, include_usage: bool = False) -> dict:
         body = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,

@@ -55,8 +55,9 @@ class Generation:
 
     async def deltas(self):
         """Yield lists of (choice index, ChoiceDelta) until every choice has finished."""
+        n = self.n
         async for position, pending in follow(self.streams, self.wakeup):
-            yield [(position * self.n + delta.index, delta) for delta in pending]
+            yield [(position * n + delta.index, delta) for delta in pending]
 
     def usage(self) -> dict:
         return usage_dict(

@@ -65,7 +65,10 @@ def _event(obj) -> bytes:
 
 
 async def _stream_sse(request: web.Request, generation: Generation) -> web.StreamResponse:
-    """data: {chunk} ... [data: {usage chunk}] data: [DONE]; an engine failure sends an error event first."""
+    """data: {chunk} ... [data: {usage chunk}] data: [DONE]; an engine failure sends an error event first.
+
+    One write per wake-up: whatever every choice gained since the last one, merged.
+    """
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     fmt = generation.fmt
@@ -73,11 +76,9 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
     started: set[int] = set()
     try:
         async for deltas in generation.deltas():
-            choices = []
-            for index, delta in deltas:
-                choices.append(fmt.delta_choice(index, delta, first=index not in started))
-                started.add(index)
-            await response.write(_event(fmt.chunk(choices, None, include_usage)))
+            choices = [fmt.delta_choice(index, delta, first=index not in started) for index, delta in deltas]
+            started.update(index for index, _ in deltas)
+            await response.write(fmt.sse_event(choices, include_usage))
     except (ConnectionResetError, ConnectionError):
         return response  # the client left; finish() aborts the engine requests
     except Exception as exc:

@@ -10,15 +10,15 @@ import structlog
 from aiohttp import web
 
 from config import Settings
-from service.app import create_app, drain
+from service.app import create_app, drain, load_engine
 
 log = structlog.get_logger(__name__)
 
 
-async def serve(settings: Settings, ready_message: bool = True) -> None:
+async def serve(settings: Settings, ready_message: bool = True, engine_factory=load_engine) -> None:
     """Serve until SIGTERM or SIGINT, then drain (running streams finish, up to the timeout) and exit."""
     server = settings.server
-    app = create_app(settings)
+    app = create_app(settings, engine_factory)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port)
@@ -48,7 +48,7 @@ async def serve(settings: Settings, ready_message: bool = True) -> None:
     log.info("stopped")
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, engine_factory=load_engine) -> None:
     import uvloop
 
-    uvloop.run(serve(settings))
+    uvloop.run(serve(settings, engine_factory=engine_factory))

@@ -121,9 +121,8 @@ async def follow(streams: list[RequestStream], wakeup: asyncio.Event):
         await wakeup.wait()
         wakeup.clear()
         for position, stream in enumerate(streams):
-            pending = stream.take()
-            if pending:
-                yield position, pending
+            if stream._pending:
+                yield position, stream.take()
             if stream.error is not None:
                 raise stream.error
         if all(stream.finished for stream in streams):

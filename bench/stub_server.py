@@ -1,0 +1,21 @@
+"""The service with bench/stub_engine.py's instant engine: `python bench/stub_server.py --port N`."""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.stub_engine import StubEngine  # noqa: E402
+from config import load_settings  # noqa: E402
+from service.logs import configure_logging  # noqa: E402
+from service.server import run  # noqa: E402
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args()
+    settings = load_settings(environ={}, overrides={"server": {"model": "stub", "port": args.port,
+                                                              "max_queued_requests": 4096}})
+    configure_logging("warning")
+    run(settings, engine_factory=lambda s: StubEngine())

@@ -1,13 +1,24 @@
 """Attention and cache kernels behind one call per operation, whatever the backend.
 
-`backend="auto"` picks the torch reference for CPU tensors. The environment variable
-PAGEDSERVE_KERNELS=torch|triton overrides "auto". Triton kernels for CUDA are not part of
-this package yet; asking for them raises KernelBackendError.
+Backends:
+    "torch"   the reference in kernels/reference.py (any device; the CPU backend and the oracle)
+    "triton"  the Triton kernels in decode_attention.py, prefill_attention.py, kv_write.py:
+              CUDA tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
+              before triton is first imported; slow, for tests)
+    "auto"    CUDA tensors -> "triton", anything else -> "torch"; the environment variable
+              PAGEDSERVE_KERNELS=torch|triton overrides it
+
+resolve_backend() turns a backend into "torch" or "triton" once (the engine does it at start);
+the calls take the concrete name on a fast path. Triton is imported only when a Triton
+kernel is first needed, so `import kernels` works on installs without it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import types
+import warnings
 
 import torch
 
@@ -20,8 +31,42 @@ class KernelBackendError(ValueError):
     """An unknown or unavailable kernel backend was requested."""
 
 
+@functools.cache
+def _triton_kernels() -> types.SimpleNamespace:
+    """The Triton launchers, imported on first use."""
+    try:
+        from kernels import decode_attention, kv_write, prefill_attention
+    except ImportError as exc:
+        raise KernelBackendError(
+            f"the Triton kernels need the triton package ({exc}); install pagedserve[gpu] or use backend='torch'"
+        ) from exc
+    from triton.runtime.jit import JITFunction
+
+    return types.SimpleNamespace(
+        paged_decode_attention=decode_attention.paged_decode_attention,
+        paged_prefill_attention=prefill_attention.paged_prefill_attention,
+        write_kv=kv_write.write_kv,
+        # @triton.jit made interpreted kernels if TRITON_INTERPRET was set when they were defined
+        interpreted=not isinstance(decode_attention._decode_partition_kernel, JITFunction),
+    )
+
+
+def _triton_for(device: torch.device) -> types.SimpleNamespace:
+    """The Triton launchers if they can run on `device`; else KernelBackendError."""
+    kernels = _triton_kernels()
+    if device.type != "cuda" and not kernels.interpreted:
+        raise KernelBackendError(
+            f"backend 'triton' on a {device.type} tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is first imported (slow; meant for tests), or use backend='torch'"
+        )
+    return kernels
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Return the concrete backend ("torch" or "triton") for `backend` on `device`."""
+    """Return the concrete backend ("torch" or "triton") for `backend` on `device`.
+
+    Raises KernelBackendError for an unknown name, or for "triton" where it cannot run.
+    """
     if backend == "torch":
         return backend
     if backend not in BACKENDS:
@@ -31,10 +76,23 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if backend not in BACKENDS:
             raise KernelBackendError(f"PAGEDSERVE_KERNELS={backend!r}; expected torch or triton")
     if backend == "auto":
-        backend = "torch"
-    if backend == "triton":
-        raise KernelBackendError("the Triton kernels are not available in this build; use backend='torch'")
+        if device.type != "cuda":
+            return "torch"
+        try:
+            _triton_for(device)
+        except KernelBackendError as exc:
+            warnings.warn(f"falling back to the torch reference kernels on CUDA: {exc}", stacklevel=2)
+            return "torch"
+        return "triton"
+    _triton_for(device)
     return backend
+
+
+def _backend_for(backend: str, tensor: torch.Tensor) -> str:
+    """The concrete backend for one call; "torch" and "triton" on CUDA cost two comparisons."""
+    if backend == "torch" or (backend == "triton" and tensor.is_cuda):
+        return backend
+    return resolve_backend(backend, tensor.device)
 
 
 def paged_decode_attention(
@@ -48,7 +106,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """Attention of one new query token per sequence over that sequence's pages."""
-    resolve_backend(backend, q.device)
+    if _backend_for(backend, q) == "triton":
+        return _triton_kernels().paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
+        )
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
 
@@ -64,7 +125,10 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of ragged query chunks over their cached pages plus themselves."""
-    resolve_backend(backend, q.device)
+    if _backend_for(backend, q) == "triton":
+        return _triton_kernels().paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+        )
     return reference.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
@@ -79,11 +143,14 @@ def write_kv(
     backend: str = "auto",
 ) -> None:
     """Write new tokens' K/V rows into their slots."""
-    resolve_backend(backend, key.device)
-    reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    if _backend_for(backend, key) == "triton":
+        _triton_kernels().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 __all__ = [
+    "BACKENDS",
     "KernelBackendError",
     "paged_decode_attention",
     "paged_prefill_attention",

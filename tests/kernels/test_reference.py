@@ -1,51 +1,10 @@
 """The torch reference kernels against a plain float64 computation on contiguous K/V."""
 
-import random
-
 import pytest
 import torch
 
 import kernels
-from kernels import reference
-
-
-def _paged_problem(context_lens, num_kv_heads, head_dim, block_size, dtype, seed):
-    """Random K/V per sequence scattered into shuffled pages; unused slots hold large junk."""
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(pages_per_seq) + 3
-    order = list(range(num_blocks))
-    random.Random(seed).shuffle(order)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = (torch.rand(shape, generator=gen, dtype=torch.float64) * 1e4).to(dtype)
-    v_cache = (torch.rand(shape, generator=gen, dtype=torch.float64) * 1e4).to(dtype)
-    tables, keys, values = [], [], []
-    for n, num_pages in zip(context_lens, pages_per_seq):
-        table = [order.pop() for _ in range(num_pages)]
-        k = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
-        reference.write_kv(k, v, k_cache, v_cache, slots)
-        tables.append(table)
-        keys.append(k.double())
-        values.append(v.double())
-    width = max(pages_per_seq)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return k_cache, v_cache, block_tables, keys, values
-
-
-def _attend64(q, k, v, q_positions, scale, sliding_window=None):
-    """float64 attention of q [q_len, hq, d] at q_positions over k, v [ctx, hkv, d]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    kv_pos = torch.arange(k.shape[0])
-    mask = kv_pos[None, :] > torch.tensor(q_positions)[:, None]
-    if sliding_window is not None:
-        mask |= kv_pos[None, :] <= torch.tensor(q_positions)[:, None] - sliding_window
-    scores = scores.masked_fill(mask[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+from tests.kernels.helpers import attend64, paged_problem
 
 
 CASES = [  # (context_lens, num_q_heads, num_kv_heads, head_dim, block_size)
@@ -60,19 +19,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context_lens, hq, hkv, head_dim, block_size", CASES)
 def test_decode_matches_float64(context_lens, hq, hkv, head_dim, block_size, dtype):
-    k_cache, v_cache, tables, keys, values = _paged_problem(context_lens, hkv, head_dim, block_size, dtype, seed=hq)
+    k_cache, v_cache, tables, keys, values = paged_problem(context_lens, hkv, head_dim, block_size, dtype, seed=hq)
     q = torch.randn(len(context_lens), hq, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = head_dim**-0.5
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32), scale)
     assert out.shape == q.shape and out.dtype == dtype
     for i, n in enumerate(context_lens):
-        expected = _attend64(q[i : i + 1], keys[i], values[i], [n - 1], scale)[0]
+        expected = attend64(q[i : i + 1], keys[i], values[i], [n - 1], scale)[0]
         torch.testing.assert_close(out[i].double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("context_lens, hq, hkv, head_dim, block_size", CASES)
 def test_prefill_chunks_match_float64(context_lens, hq, hkv, head_dim, block_size):
-    k_cache, v_cache, tables, keys, values = _paged_problem(context_lens, hkv, head_dim, block_size, torch.float32, seed=7)
+    k_cache, v_cache, tables, keys, values = paged_problem(context_lens, hkv, head_dim, block_size, torch.float32, seed=7)
     q_lens = [max(1, n // 3) for n in context_lens]  # the newest third of each context is the chunk
     q = torch.randn(sum(q_lens), hq, head_dim, generator=torch.Generator().manual_seed(2))
     starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
@@ -82,13 +41,13 @@ def test_prefill_chunks_match_float64(context_lens, hq, hkv, head_dim, block_siz
     )
     for i, (n, q_len) in enumerate(zip(context_lens, q_lens)):
         rows = slice(int(starts[i]), int(starts[i + 1]))
-        expected = _attend64(q[rows], keys[i], values[i], list(range(n - q_len, n)), scale)
+        expected = attend64(q[rows], keys[i], values[i], list(range(n - q_len, n)), scale)
         torch.testing.assert_close(out[rows].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_limits_what_decode_and_prefill_see():
     context_lens, window = [40, 9], 8
-    k_cache, v_cache, tables, keys, values = _paged_problem(context_lens, 2, 16, 8, torch.float32, seed=3)
+    k_cache, v_cache, tables, keys, values = paged_problem(context_lens, 2, 16, 8, torch.float32, seed=3)
     q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
     lens = torch.tensor(context_lens, dtype=torch.int32)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, sliding_window=window)
@@ -96,7 +55,7 @@ def test_sliding_window_limits_what_decode_and_prefill_see():
         q, k_cache, v_cache, tables, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 0.25, sliding_window=window
     )
     for i, n in enumerate(context_lens):
-        expected = _attend64(q[i : i + 1], keys[i], values[i], [n - 1], 0.25, window)[0]
+        expected = attend64(q[i : i + 1], keys[i], values[i], [n - 1], 0.25, window)[0]
         torch.testing.assert_close(out[i].double(), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(prefill[i].double(), expected, rtol=1e-5, atol=1e-5)
 

@@ -33,6 +33,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: int | None = None
     seed: int = 0
     kernel_backend: str = "auto"
+    pinned_block_budget: int = 64  # pages that pinned prefixes may hold in all
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,6 +62,11 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
+    tenants_file: str | None = None  # TOML of tenants, keys, plans, limits; None: open, tenant "default"
+    redis_url: str | None = None  # None: embedded (SQLite ledger, in-process index and limits)
+    data_dir: str = "data"  # the SQLite ledger and the usage journal live here
+    cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
+    replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -101,6 +101,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self.kv_events: list[tuple[str, bytes]] | None = None  # ("stored" | "removed", hash) when recording
 
     @property
     def num_free_blocks(self) -> int:
@@ -152,6 +153,8 @@ class BlockPool:
             return False  # same content computed twice at once: the first copy stays canonical
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.append(("stored", block_hash))
         return True
 
     def _evict(self, block: Block) -> None:
@@ -160,6 +163,8 @@ class BlockPool:
         if self.hash_to_block.get(block.block_hash) is not block:
             raise BlockPoolError(f"{block} is hashed but not in hash_to_block")
         del self.hash_to_block[block.block_hash]
+        if self.kv_events is not None:
+            self.kv_events.append(("removed", block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
 

@@ -112,15 +112,24 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | bytes | None = None,
+        shared_prefix_len: int = 0,
+        pin_id: str | None = None,
     ) -> None:
-        """Queue a request; it joins the batch at the next step that has room."""
+        """Queue a request; it joins the batch at the next step that has room.
+
+        `cache_salt` separates prefix-cache chains (a tenant's). The first
+        `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
+        are cached without the salt (whole blocks only).
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = self.tokenize(prompt)
         self.check_fits(len(token_ids), params)
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt)
+        num_shared_blocks = min(shared_prefix_len, len(token_ids)) // self.block_size
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
+                          num_shared_blocks=num_shared_blocks, pin_id=pin_id)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
@@ -161,6 +170,46 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # --- pinned prefixes and KV events ----------------------------------------------------
+
+    def pin_prefix(self, pin_id: str, prompt: str | list[int], cache_salt: str | bytes | None = None,
+                   shared_prefix_len: int = 0) -> None:
+        """Prefill `prompt` and keep its full pages (never evicted) until unpin_prefix(pin_id).
+
+        Raises InvalidRequestError (code "pin_budget_exceeded") if the pinned pages would
+        exceed settings.pinned_block_budget.
+        """
+        token_ids = self.tokenize(prompt)
+        held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
+        if held + len(token_ids) // self.block_size > self.settings.pinned_block_budget:
+            raise InvalidRequestError(
+                f"pinning {len(token_ids) // self.block_size} pages would exceed the budget of "
+                f"{self.settings.pinned_block_budget} ({held} held)", param="text", code="pin_budget_exceeded",
+            )
+        params = SamplingParams(max_tokens=1, temperature=0)
+        self.add_request(f"pin:{pin_id}:{next(self._ids)}", token_ids, params, cache_salt, shared_prefix_len, pin_id)
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pinned prefix's pages back to the cache (evictable again)."""
+        return self.kv.unpin(pin_id)
+
+    def record_kv_events(self) -> None:
+        """Start recording prefix-cache events (blocks stored and removed) for take_kv_events()."""
+        if self.kv.pool.kv_events is None:
+            self.kv.pool.kv_events = []
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes cached, hashes evicted) since the last call, in order, each list deduplicated."""
+        events = self.kv.pool.kv_events or []
+        if self.kv.pool.kv_events is not None:
+            self.kv.pool.kv_events = []
+        stored: dict[bytes, None] = {}
+        removed: dict[bytes, None] = {}
+        for kind, block_hash in events:
+            (stored if kind == "stored" else removed)[block_hash] = None
+            (removed if kind == "stored" else stored).pop(block_hash, None)
+        return list(stored), list(removed)
 
     # --- the step -----------------------------------------------------------------------
 
@@ -289,6 +338,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_pinned_blocks": self.kv.num_pinned_blocks,
         }
 
     def _num_kv_tokens(self) -> int:

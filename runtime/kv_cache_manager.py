@@ -31,13 +31,17 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_tables: dict[str, list[Block]] = {}
         self.num_hashed_blocks: dict[str, int] = {}  # leading pages of a table already offered to the cache
+        self.pinned: dict[str, list[Block]] = {}  # pin id -> full pages held so they are never evicted
 
     # --- prefix cache -------------------------------------------------------------------
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Hash every full block of the sequence's tokens that is not hashed yet."""
         if self.enable_prefix_caching:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
+            request = seq.request
+            extend_block_hashes(
+                seq.block_hashes, seq.token_ids, self.block_size, request.cache_salt, request.num_shared_blocks
+            )
 
     def find_cached_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached pages matching the sequence's first full blocks.
@@ -137,6 +141,28 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(seq.seq_id, None)
         self.pool.free_blocks(reversed(table))
 
+    # --- pinned prefixes ----------------------------------------------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.pinned.values())
+
+    def pin(self, pin_id: str, seq: Sequence) -> int:
+        """Hold the sequence's computed full pages under `pin_id` (one more reader each); returns their count."""
+        self.unpin(pin_id)
+        full = self.block_tables[seq.seq_id][: seq.num_computed_tokens // self.block_size]
+        self.pool.touch(full)
+        self.pinned[pin_id] = list(full)
+        return len(full)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Let go of a pin's pages (they stay cached until evicted)."""
+        blocks = self.pinned.pop(pin_id, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
+
     def block_ids(self, seq: Sequence) -> list[int]:
         return [block.block_id for block in self.block_tables[seq.seq_id]]
 
@@ -144,11 +170,11 @@ class KVCacheManager:
         """The pool's invariants, plus: every page in a table is in use, as often as tables list it."""
         self.pool.check_invariants()
         readers: dict[int, int] = {}
-        for table in self.block_tables.values():
+        for table in [*self.block_tables.values(), *self.pinned.values()]:
             for block in table:
                 readers[block.block_id] = readers.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             if block.ref_count != readers.get(block.block_id, 0):
                 raise BlockPoolError(
-                    f"{block} is listed in {readers.get(block.block_id, 0)} page tables"
+                    f"{block} is listed in {readers.get(block.block_id, 0)} page tables and pins"
                 )

@@ -36,12 +36,16 @@ class Request:
         params: SamplingParams,
         cache_salt: bytes | None,
         arrival_time: float | None = None,
+        num_shared_blocks: int = 0,
+        pin_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
+        self.num_shared_blocks = num_shared_blocks  # leading blocks hashed without the salt (shared prefix)
+        self.pin_id = pin_id  # set for a pinned-prefix prefill: its full pages stay held when it ends
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
         self.sequences: list[Sequence] = []

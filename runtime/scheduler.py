@@ -170,10 +170,13 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End the sequence and return its pages at once."""
-        if seq.status is SequenceStatus.RUNNING:
+        was_running = seq.status is SequenceStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if was_running and seq.request.pin_id is not None and reason != "abort":
+            self.kv.pin(seq.request.pin_id, seq)  # a pinned prefix keeps its full pages
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)

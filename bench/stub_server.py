@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -16,6 +17,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args()
     settings = load_settings(environ={}, overrides={"server": {"model": "stub", "port": args.port,
-                                                              "max_queued_requests": 4096}})
+                                                              "max_queued_requests": 4096,
+                                                              "data_dir": tempfile.mkdtemp(prefix="stub-")}})
     configure_logging("warning")
     run(settings, engine_factory=lambda s: StubEngine())

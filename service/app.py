@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from config import Settings
+from service.accounts_api import create_pin, delete_pin, list_pins, prefix_index_lookup, usage
 from service.bridge import EngineBridge
+from service.journal import UsageJournal
+from service.ledger import RedisLedger, SQLiteLedger
+from service.prefix_index import MemoryPrefixIndex, RedisPrefixIndex
+from service.rate_limit import LocalRateLimiter, RedisRateLimiter
+from service.redis_pool import create_redis
+from service.tenants import TenantDirectory
 from service.errors import error_middleware
 from service.metrics import ServiceMetrics
 from service.openai_api import chat_completions, completions, list_models
@@ -44,24 +54,105 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def build_stores(settings: Settings):
+    """(ledger, rate limiter, prefix index, redis client or None): Redis-backed when redis_url is set."""
+    server = settings.server
+    redis_url = server.redis_url or os.environ.get("REDIS_URL")
+    if redis_url:
+        client = create_redis(redis_url)
+        return RedisLedger(client), RedisRateLimiter(client), RedisPrefixIndex(client), client
+    data_dir = Path(server.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return SQLiteLedger(data_dir / "ledger.sqlite3"), LocalRateLimiter(), MemoryPrefixIndex(), None
+
+
+def build_tenants(settings: Settings) -> TenantDirectory:
+    server = settings.server
+    secret = server.cache_salt_secret.encode() if server.cache_salt_secret else None
+    if server.tenants_file:
+        return TenantDirectory.from_file(server.tenants_file, secret)
+    log.warning("no tenants file: the server is OPEN, every caller is tenant 'default' (set server.tenants_file)")
+    return TenantDirectory.open(secret)
+
+
+async def _publish_kv_events(state: ServiceState, pending: dict[bytes, bool], period_s: float = 0.1) -> None:
+    """Send cached/evicted block hashes to the prefix index in batches; heartbeat the replica."""
+    last_heartbeat = 0.0
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            if pending:
+                stored = [h for h, cached in pending.items() if cached]
+                removed = [h for h, cached in pending.items() if not cached]
+                pending.clear()
+                await state.prefix_index.publish(state.replica_id, stored, removed)
+            if loop.time() - last_heartbeat > 5.0:
+                await state.prefix_index.heartbeat(state.replica_id)
+                last_heartbeat = loop.time()
+        except (OSError, RedisError) as exc:
+            log.warning("prefix index unreachable", error=str(exc))
+            await asyncio.sleep(1.0)
+
+
+async def _restore_pins(state: ServiceState) -> None:
+    """Re-pin the registered prefixes (they live in the ledger store, so they survive restarts)."""
+    from service.accounts_api import pin_prefix
+
+    for pin in await state.ledger.list_pins():
+        try:
+            await pin_prefix(state, pin.tenant, pin.pin_id, pin.text)
+            log.info("pinned prefix restored", tenant=pin.tenant, pin_id=pin.pin_id)
+        except Exception as exc:
+            log.warning("pinned prefix not restored", tenant=pin.tenant, pin_id=pin.pin_id, error=str(exc))
+
+
 def create_app(settings: Settings, engine_factory: Callable[[Settings], object] = load_engine) -> web.Application:
     """The service app. The engine is built at start-up (in a thread) and stopped at cleanup."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
 
-    async def engine_lifetime(app: web.Application):
+    async def lifetime(app: web.Application):
+        tenants = build_tenants(settings)
+        ledger, limiter, prefix_index, redis_client = build_stores(settings)
+        journal = UsageJournal(Path(settings.server.data_dir) / "usage.journal", ledger)
+        await journal.start()
         engine = await asyncio.to_thread(engine_factory, settings)
-        bridge = EngineBridge(engine, asyncio.get_running_loop())
+        bridge = EngineBridge(engine, asyncio.get_running_loop(), kv_events=True)
         model_name = settings.server.served_model_name or getattr(engine, "model_name", Path(settings.server.model).name)
-        app[STATE] = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats), model_name)
+        replica_id = settings.server.replica_id or f"{socket.gethostname()}:{settings.server.port}"
+        state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats), model_name, tenants,
+                             ledger, journal, limiter, prefix_index, replica_id)
+        app[STATE] = state
+        pending_events: dict[bytes, bool] = {}
+
+        def on_kv_events(stored: list[bytes], removed: list[bytes]) -> None:
+            pending_events.update(dict.fromkeys(stored, True))
+            pending_events.update(dict.fromkeys(removed, False))
+
+        bridge.on_kv_events = on_kv_events
         bridge.start()
+        publisher = asyncio.create_task(_publish_kv_events(state, pending_events))
+        await _restore_pins(state)
         template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
         if template is not None and template.is_fallback:
             log.warning("the model has no chat template: chat uses 'role: content' lines, then 'assistant:'")
-        log.info("serving", model=model_name)
+        log.info("serving", model=model_name, replica=replica_id, redis=redis_client is not None)
         yield
         await bridge.stop()
+        publisher.cancel()
+        await asyncio.gather(publisher, *state.background, return_exceptions=True)
+        await journal.stop()
+        await ledger.close()
+        await prefix_index.close()
+        if redis_client is not None:
+            await redis_client.aclose()
 
-    app.cleanup_ctx.append(engine_lifetime)
+    app.cleanup_ctx.append(lifetime)
+    app.router.add_get("/v1/usage", usage)
+    app.router.add_get("/v1/pinned-prefixes", list_pins)
+    app.router.add_post("/v1/pinned-prefixes", create_pin)
+    app.router.add_delete("/v1/pinned-prefixes/{pin_id}", delete_pin)
+    app.router.add_get("/v1/prefix-index/lookup", prefix_index_lookup)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

@@ -48,6 +48,21 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: bytes | None
+    shared_prefix_len: int = 0
+
+
+@dataclass
+class _Pin:
+    pin_id: str
+    prompt_token_ids: list[int]
+    cache_salt: bytes | None
+    done: asyncio.Future
+
+
+@dataclass
+class _Unpin:
+    pin_id: str
+    done: asyncio.Future
 
 
 @dataclass
@@ -61,7 +76,7 @@ _STOP = object()
 class EngineBridge:
     """Runs the engine on its own thread; streams its outputs to asyncio consumers."""
 
-    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, kv_events: bool = False) -> None:
         self.engine = engine
         self.loop = loop
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,6 +88,10 @@ class EngineBridge:
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
         self.on_step = None  # optional loop-side callback(outputs, stats)
+        self.on_kv_events = None  # loop-side callback(stored, removed) when kv_events is on
+        self.kv_events = kv_events and hasattr(engine, "record_kv_events")
+        if self.kv_events:
+            engine.record_kv_events()
 
     # --- loop side ----------------------------------------------------------------------
 
@@ -80,12 +99,23 @@ class EngineBridge:
         self._thread.start()
 
     def submit(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: bytes | None = None) -> None:
+               cache_salt: bytes | None = None, shared_prefix_len: int = 0) -> None:
         """Register the stream and send its request to the engine (returns at once)."""
         if stream.request_id in self.streams:
             raise InvalidRequestError(f"request id {stream.request_id!r} is already in use", param="id")
         self.streams[stream.request_id] = stream
-        self.inbox.put(_Add(stream, prompt_token_ids, params, cache_salt))
+        self.inbox.put(_Add(stream, prompt_token_ids, params, cache_salt, shared_prefix_len))
+
+    async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None) -> None:
+        """Prefill a prefix and hold its pages (engine.pin_prefix); raises what the engine raised."""
+        done = self.loop.create_future()
+        self.inbox.put(_Pin(pin_id, prompt_token_ids, cache_salt, done))
+        await done
+
+    async def unpin(self, pin_id: str) -> bool:
+        done = self.loop.create_future()
+        self.inbox.put(_Unpin(pin_id, done))
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its pages are free by the end of the engine's next step."""
@@ -106,9 +136,12 @@ class EngineBridge:
         self.inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10.0)
 
-    def _deliver(self, outputs: list[RequestOutput], stats: dict, failed: dict[str, Exception]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], stats: dict, failed: dict[str, Exception],
+                 events: tuple[list[bytes], list[bytes]] | None = None) -> None:
         self._undelivered.release()
         self.stats = stats
+        if events and (events[0] or events[1]) and self.on_kv_events is not None:
+            self.on_kv_events(*events)
         now = time.monotonic()
         for output in outputs:
             stream = self.streams.get(output.request_id)
@@ -157,15 +190,30 @@ class EngineBridge:
             if isinstance(command, _Add):
                 request_id = command.stream.request_id
                 try:
-                    self.engine.add_request(request_id, command.prompt_token_ids, command.params, command.cache_salt)
+                    extra = {"shared_prefix_len": command.shared_prefix_len} if command.shared_prefix_len else {}
+                    self.engine.add_request(request_id, command.prompt_token_ids, command.params, command.cache_salt,
+                                            **extra)
                 except Exception as exc:
                     failed[request_id] = exc
-            else:
+            elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+            else:
+                self._run_pin_command(command)
             try:
                 command = self.inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _run_pin_command(self, command: _Pin | _Unpin) -> None:
+        try:
+            if isinstance(command, _Pin):
+                result = self.engine.pin_prefix(command.pin_id, command.prompt_token_ids, command.cache_salt)
+            else:
+                result = self.engine.unpin_prefix(command.pin_id)
+        except Exception as exc:
+            self.loop.call_soon_threadsafe(_settle, command.done, None, exc)
+        else:
+            self.loop.call_soon_threadsafe(_settle, command.done, result, None)
 
     def _abort_all(self, error: Exception) -> dict[str, Exception]:
         failed = {}
@@ -184,11 +232,21 @@ class EngineBridge:
 
     def _post(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> None:
         stats = self.engine.stats()
+        events = self.engine.take_kv_events() if self.kv_events else None
         while not self._undelivered.acquire(timeout=IDLE_WAIT_S):  # the loop is behind: let it catch up
             if self._stop_event.is_set():
                 return
         try:
-            self.loop.call_soon_threadsafe(self._deliver, outputs, stats, failed)
+            self.loop.call_soon_threadsafe(self._deliver, outputs, stats, failed, events)
         except RuntimeError:  # loop closed: shutting down
             self._undelivered.release()
             self._stop_event.set()
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -46,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, overrides={
             "server": {"model": args.model, "host": args.host, "port": args.port,
-                       "served_model_name": args.served_model_name},
+                       "served_model_name": args.served_model_name, "tenants_file": args.tenants,
+                       "redis_url": args.redis_url, "data_dir": args.data_dir},
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
                        "max_num_seqs": args.max_num_seqs},
         })
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default=None)
     srv.add_argument("--port", type=int, default=None)
     srv.add_argument("--config", help="TOML settings file (see config/default.toml)")
+    srv.add_argument("--tenants", default=None, help="tenants TOML (keys, plans, limits); unset: open")
+    srv.add_argument("--redis-url", default=None, help="shared Redis for ledger, limits, prefix index")
+    srv.add_argument("--data-dir", default=None, help="SQLite ledger and usage journal folder")
     srv.add_argument("--device", default=None)
     srv.add_argument("--dtype", default=None)
     srv.add_argument("--num-blocks", type=int, default=None)

@@ -13,8 +13,14 @@ import uuid
 
 import structlog
 
+from redis.exceptions import RedisError
+
 from runtime.sampling_params import SamplingParams
+from service.errors import APIError
 from service.formatting import ResponseFormat, usage_dict
+from service.rate_limit import RateLimitExceeded
+from service.tenants import Tenant
+from service.usage import UsageRecord, cost_pico_usd
 from service.protocol import _SamplingFields
 from service.state import ServiceState
 from service.streams import ChoiceDelta, RequestStream, follow
@@ -30,28 +36,46 @@ class Generation:
     """Prompts -> engine requests -> merged deltas, numbered as OpenAI choices."""
 
     def __init__(self, state: ServiceState, body: _SamplingFields, prompts: list[list[int]], fmt: ResponseFormat,
-                 tenant: str = "default") -> None:
+                 tenant: Tenant) -> None:
         self.state = state
         self.body = body
         self.fmt = fmt
         self.tenant = tenant
         self.n = body.n
+        self.lease = None
+        self.cache_salt = state.tenants.cache_salt(tenant.tenant_id, body.cache_salt)
+        self.shared_prefix_lens = [
+            state.tenants.shared_prefix_len(p, state.encode_prefix, body.prompt_cache_key) for p in prompts
+        ]
         self.params: list[SamplingParams] = []
         for token_ids in prompts:
             params = body.sampling_params(len(token_ids), state.engine.max_model_len)
             state.engine.check_fits(len(token_ids), params)
             self.params.append(params)
-        state.check_admission(len(prompts))
         self.prompts = prompts
         self.wakeup = asyncio.Event()
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
         self.streams = [RequestStream(rid, len(p), self.n, self.wakeup) for rid, p in zip(ids, prompts)]
         self.started_at = time.monotonic()
-        self.cancelled = False
+        self.created_at = time.time()
+        self.admitted = False  # once True, finish() must run
+
+    async def admit(self) -> None:
+        """Server capacity (503/429), then the tenant's limits (429 naming the limit)."""
+        self.state.check_admission(len(self.prompts))
+        self.admitted = True
+        num_tokens = sum(len(p) for p in self.prompts)  # corrected to prompt + completion on release
+        try:
+            self.lease = await self.state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens)
+        except RateLimitExceeded as exc:
+            raise APIError(429, exc.message, None, "rate_limit_exceeded",
+                           {"Retry-After": str(exc.retry_after_s)}) from exc
+        except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
+            log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
 
     def start(self) -> None:
-        for stream, token_ids, params in zip(self.streams, self.prompts, self.params):
-            self.state.bridge.submit(stream, token_ids, params)
+        for stream, token_ids, params, shared in zip(self.streams, self.prompts, self.params, self.shared_prefix_lens):
+            self.state.bridge.submit(stream, token_ids, params, self.cache_salt, shared)
 
     async def deltas(self):
         """Yield lists of (choice index, ChoiceDelta) until every choice has finished."""
@@ -67,22 +91,45 @@ class Generation:
         )
 
     def finish(self) -> None:
-        """Abort what is still running; record metrics and one summary line. Call exactly once."""
+        """Abort what is still running; bill, record metrics and one summary line. Call exactly once.
+
+        Every engine request produces one usage record, cancelled ones included: the whole
+        prompt (it was accepted) and the completion tokens that were computed and handed out.
+        """
         elapsed = time.monotonic() - self.started_at
+        finished_at = time.time()
+        state = self.state
+        plan = self.tenant.price_plan(state.model_name)
         for stream in self.streams:
             if not stream.finished:
-                self.state.bridge.abort(stream.request_id)
+                state.bridge.abort(stream.request_id)
             reason = "error" if stream.error else next((r for r in stream.finish_reasons if r), "abort")
-            self.state.metrics.observe(stream, reason, elapsed)
+            state.metrics.observe(stream, reason, elapsed)
+            record = UsageRecord(
+                request_id=stream.request_id, tenant=self.tenant.tenant_id, model=state.model_name,
+                prompt_tokens=stream.num_prompt_tokens, cached_tokens=stream.num_cached_tokens,
+                completion_tokens=stream.num_output_tokens, finish_reason=reason,
+                created_at=self.created_at, finished_at=finished_at,
+            )
+            state.journal.append(record, cost_pico_usd(record, plan))
         usage = self.usage()
+        if self.lease is not None:
+            state.spawn(self._release(usage["total_tokens"]))
         first = self.streams[0]
         log.info(
-            "request finished", request_id=self.fmt.response_id, tenant=self.tenant,
+            "request finished", request_id=self.fmt.response_id, tenant=self.tenant.tenant_id,
             prompt_tokens=usage["prompt_tokens"], cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
             completion_tokens=usage["completion_tokens"],
             ttft_s=None if first.ttft is None else round(first.ttft, 4), total_s=round(elapsed, 4),
             finish_reasons=[r for s in self.streams for r in s.finish_reasons],
         )
+
+
+    async def _release(self, total_tokens: int) -> None:
+        try:
+            await self.state.limiter.release(self.lease, total_tokens)
+        except (OSError, RedisError) as exc:
+            log.warning("rate limiter unreachable on release", error=str(exc), tenant=self.tenant.tenant_id)
 
 
 class ChoiceAccumulator:

@@ -12,37 +12,41 @@ from service.formatting import ChatFormat, CompletionFormat
 from service.generation import ChoiceAccumulator, Generation, new_request_id
 from service.protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from service.state import STATE, ServiceState
+from service.tenants import Tenant
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def chat_generation(state: ServiceState, body: ChatCompletionRequest) -> Generation:
-    """Validate a chat body and build its Generation (not started)."""
+def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant) -> Generation:
+    """Validate a chat body and build its Generation (not admitted, not started)."""
     state.check_model(body.model)
     prompt = state.tokenizer.apply_chat_template(body.message_dicts())
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top)
-    return Generation(state, body, [prompt], fmt)
+    return Generation(state, body, [prompt], fmt, tenant)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
+    tenant = state.authenticate(request)
     body = decode_body(await request.read(), ChatCompletionRequest)
-    return await _respond(request, chat_generation(state, body))
+    return await _respond(request, chat_generation(state, body, tenant))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
+    tenant = state.authenticate(request)
     body = decode_body(await request.read(), CompletionRequest)
     state.check_model(body.model)
     prompts = [state.engine.tokenize(p) for p in body.prompts()]
     fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs)
-    return await _respond(request, Generation(state, body, prompts, fmt))
+    return await _respond(request, Generation(state, body, prompts, fmt, tenant))
 
 
 async def _respond(request: web.Request, generation: Generation) -> web.StreamResponse:
-    generation.start()
+    await generation.admit()
     try:
+        generation.start()
         if generation.body.stream:
             return await _stream_sse(request, generation)
         return await _whole_response(generation)
@@ -92,6 +96,7 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.authenticate(request)
     card = {"id": state.model_name, "object": "model", "created": int(state.created), "owned_by": "pagedserve",
             "max_model_len": state.engine.max_model_len}
     return web.json_response({"object": "list", "data": [card]})

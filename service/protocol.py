@@ -57,6 +57,10 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # prefix caching: a client salt splits the tenant's cache further; a prompt_cache_key
+    # that an operator marked as shared selects that shared prefix
+    cache_salt: str | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +11,9 @@ from aiohttp import web
 from config import Settings
 from service.bridge import EngineBridge
 from service.errors import APIError
+from service.journal import UsageJournal
 from service.metrics import ServiceMetrics
+from service.tenants import Tenant, TenantDirectory
 
 
 @dataclass
@@ -20,8 +23,28 @@ class ServiceState:
     bridge: EngineBridge
     metrics: ServiceMetrics
     model_name: str
+    tenants: TenantDirectory
+    ledger: object  # service.ledger: SQLiteLedger or RedisLedger
+    journal: UsageJournal
+    limiter: object  # service.rate_limit: LocalRateLimiter or RedisRateLimiter
+    prefix_index: object  # service.prefix_index: MemoryPrefixIndex or RedisPrefixIndex
+    replica_id: str
     draining: bool = False
     created: float = field(default_factory=time.time)
+    background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
+
+    def spawn(self, coro) -> None:
+        """Run `coro` in the background, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def authenticate(self, request: web.Request) -> Tenant:
+        """The caller's tenant from `Authorization: Bearer`, or 401."""
+        return self.tenants.authenticate(request.headers.get("Authorization"))
+
+    def encode_prefix(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def tokenizer(self):

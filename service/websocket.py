@@ -36,9 +36,10 @@ class Command(msgspec.Struct, forbid_unknown_fields=True):
 class Socket:
     """One client connection: its running requests and a serialized writer."""
 
-    def __init__(self, ws: web.WebSocketResponse, state) -> None:
+    def __init__(self, ws: web.WebSocketResponse, state, tenant) -> None:
         self.ws = ws
         self.state = state
+        self.tenant = tenant
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancelled: set[str] = set()
         self.write_lock = asyncio.Lock()
@@ -75,7 +76,8 @@ class Socket:
         generation = None
         try:
             body = msgspec.convert(raw_body, ChatCompletionRequest, strict=True)
-            generation = chat_generation(self.state, body)
+            generation = chat_generation(self.state, body, self.tenant)
+            await generation.admit()
             generation.start()
             fmt = generation.fmt
             started: set[int] = set()
@@ -100,7 +102,7 @@ class Socket:
         except Exception as exc:
             await self.error(request_id, exc)
         finally:
-            if generation is not None:
+            if generation is not None and generation.admitted:
                 generation.finish()
             self.tasks.pop(request_id, None)
             self.cancelled.discard(request_id)
@@ -117,9 +119,10 @@ class Socket:
 
 async def websocket_stream(request: web.Request) -> web.WebSocketResponse:
     state = request.app[STATE]
+    tenant = state.authenticate(request)  # 401 before the upgrade
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=state.settings.server.max_body_bytes)
     await ws.prepare(request)
-    socket = Socket(ws, state)
+    socket = Socket(ws, state, tenant)
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:

@@ -1,6 +1,7 @@
 """A real server on a random loopback port, run on its own thread and uvloop."""
 
 import asyncio
+import tempfile
 import threading
 from contextlib import contextmanager
 
@@ -75,9 +76,11 @@ def run_server(settings, engine_factory=load_engine):
         thread.join(10)
 
 
-def stories_settings(stories_dir, **engine):
+def stories_settings(stories_dir, server: dict | None = None, **engine):
+    """Settings for stories260K with a fresh data folder (ledger, journal) per server."""
+    data_dir = tempfile.mkdtemp(prefix="pagedserve-test-")
     return load_settings(environ={}, overrides={
-        "server": {"model": str(stories_dir)},
+        "server": {"model": str(stories_dir), "data_dir": data_dir, **(server or {})},
         "engine": {"num_blocks": 256, "max_num_seqs": 32, **engine},
     })
 

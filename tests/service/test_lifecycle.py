@@ -32,10 +32,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise AssertionError("server never became ready")
 
 
-def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir):
+def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"PAGEDSERVE_SERVER_SHUTDOWN_TIMEOUT_S": "20", "PAGEDSERVE_ENGINE_NUM_BLOCKS": "128"}
+    env = os.environ | {"PAGEDSERVE_SERVER_SHUTDOWN_TIMEOUT_S": "20", "PAGEDSERVE_ENGINE_NUM_BLOCKS": "128",
+                        "PAGEDSERVE_SERVER_DATA_DIR": str(tmp_path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--model", str(stories_dir), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -1,0 +1,117 @@
+"""Per-tenant endpoints: usage totals, pinned prefixes; the prefix-index lookup for operators."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from runtime.block_hash import extend_block_hashes
+from service.errors import APIError
+from service.state import STATE, ServiceState
+from service.tenants import Tenant
+
+
+def _number(request: web.Request, name: str) -> float | None:
+    value = request.query.get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be unix seconds, got {value!r}", name, "invalid_value") from None
+
+
+def _target_tenant(state: ServiceState, caller: Tenant, request: web.Request) -> str:
+    """The caller's own tenant; an admin key may name any tenant with ?tenant=."""
+    asked = request.query.get("tenant")
+    if asked is None or asked == caller.tenant_id:
+        if caller.tenant_id not in state.tenants.tenants:
+            raise APIError(400, "an admin key must name a tenant: ?tenant=...", "tenant", "missing_tenant")
+        return caller.tenant_id
+    if not caller.is_admin:
+        raise APIError(404, "no such tenant for this key", "tenant", "tenant_not_found")  # no existence leak
+    if asked not in state.tenants.tenants:
+        raise APIError(404, f"no tenant named {asked!r}", "tenant", "tenant_not_found")
+    return asked
+
+
+async def usage(request: web.Request) -> web.Response:
+    """GET /v1/usage[?since=&until=][&tenant= for admins]: tokens, cached tokens, cost (exact decimal)."""
+    state = request.app[STATE]
+    caller = state.authenticate(request)
+    tenant_id = _target_tenant(state, caller, request)
+    totals = await state.ledger.totals(tenant_id, _number(request, "since"), _number(request, "until"))
+    body = totals.to_json(tenant_id)
+    body["pending_records"] = state.journal.num_pending
+    return web.json_response(body)
+
+
+class PinBody(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    text: str
+
+
+def _engine_pin_id(tenant_id: str, pin_id: str) -> str:
+    return f"{tenant_id}/{pin_id}"
+
+
+async def pin_prefix(state: ServiceState, tenant_id: str, pin_id: str, text: str) -> None:
+    """Prefill `text` under the tenant's salt and hold its pages (budget permitting)."""
+    token_ids = state.engine.tokenize(text)
+    await state.bridge.pin(_engine_pin_id(tenant_id, pin_id), token_ids, state.tenants.cache_salt(tenant_id))
+
+
+async def create_pin(request: web.Request) -> web.Response:
+    """POST /v1/pinned-prefixes {"id", "text"}: keep a system prompt's pages resident; survives restarts."""
+    state = request.app[STATE]
+    caller = state.authenticate(request)
+    tenant_id = _target_tenant(state, caller, request)
+    body = msgspec.json.decode(await request.read(), type=PinBody, strict=True)
+    if not body.id or len(body.id) > 128:
+        raise APIError(400, "id must be 1 to 128 characters", "id", "invalid_value")
+    await pin_prefix(state, tenant_id, body.id, body.text)
+    await state.ledger.add_pin(tenant_id, body.id, body.text)
+    return web.json_response({"id": body.id, "tenant": tenant_id, "pinned": True}, status=201)
+
+
+async def list_pins(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    caller = state.authenticate(request)
+    tenant_id = _target_tenant(state, caller, request)
+    pins = [p for p in await state.ledger.list_pins() if p.tenant == tenant_id]
+    return web.json_response({"data": [{"id": p.pin_id, "text": p.text, "created_at": p.created_at} for p in pins]})
+
+
+async def delete_pin(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    caller = state.authenticate(request)
+    tenant_id = _target_tenant(state, caller, request)
+    pin_id = request.match_info["pin_id"]
+    removed = await state.ledger.remove_pin(tenant_id, pin_id)
+    await state.bridge.unpin(_engine_pin_id(tenant_id, pin_id))
+    if not removed:
+        raise APIError(404, f"no pinned prefix {pin_id!r}", "id", "pin_not_found")
+    return web.json_response({"id": pin_id, "deleted": True})
+
+
+async def prefix_index_lookup(request: web.Request) -> web.Response:
+    """GET /v1/prefix-index/lookup?tenant=&prompt= (admin): each replica's longest cached prefix, in blocks."""
+    state = request.app[STATE]
+    caller = state.authenticate(request)
+    if not caller.is_admin and not state.tenants.is_open:
+        raise APIError(404, "not found", None, None)
+    tenant_id = request.query.get("tenant", caller.tenant_id if not caller.is_admin else "")
+    if tenant_id not in state.tenants.tenants:
+        raise APIError(400, "name a tenant: ?tenant=...", "tenant", "missing_tenant")
+    prompt = request.query.get("prompt")
+    if prompt is None:
+        raise APIError(400, "give the prompt text: ?prompt=...", "prompt", "missing_prompt")
+    token_ids = state.engine.tokenize(prompt)
+    salt = state.tenants.cache_salt(tenant_id, request.query.get("cache_salt"))
+    block_size = state.settings.engine.block_size
+    shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix) // block_size
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, salt, shared)
+    replicas = await state.prefix_index.lookup(hashes)
+    return web.json_response({"tenant": tenant_id, "num_prompt_tokens": len(token_ids), "num_full_blocks": len(hashes),
+                              "replicas": replicas})

@@ -1,0 +1,220 @@
+"""A write-ahead journal in front of the ledger: no usage is lost while Redis is down or slow.
+
+    append() ──> memory buffer ──(writer: every flush_interval_s or batch_records)──> file + fdatasync
+                                                                                      │
+    ledger <──(applier: record_many, retried with backoff until accepted)─────────────┘
+                       └──> checkpoint: the file offset applied so far
+
+The file format, checkpoint and compaction are in service/journal_file.py.
+
+- `append` is synchronous and never waits for the disk or the ledger; a record is durable after
+  the next flush (at most `flush_interval_s` later) and in the ledger once it is reachable.
+- `start` replays everything after the checkpoint. Replays are safe because the ledger counts a
+  request id once (Redis remembers ids for 30 days; SQLite forever).
+- Any ledger error is retried, with backoff up to `max_backoff_s`: the first failure logs an
+  'unreachable' warning, then at most one 'still unreachable' per `warn_interval_s`, and one
+  'reachable again' at the end. A batch the ledger keeps refusing holds the journal back,
+  loudly, but is never dropped.
+- The applied prefix of the file is compacted away once it passes `compact_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import structlog
+
+from service.journal_file import JournalEntry, JournalFile, encode
+from service.ledger import Ledger, check_entry
+from service.usage import UsageRecord
+
+log = structlog.get_logger(__name__)
+
+
+class UsageJournal:
+    """Durable, asynchronous delivery of usage records to a ledger (see the module doc)."""
+
+    def __init__(self, path: str | Path, ledger: Ledger, *, flush_interval_s: float = 0.05,
+                 batch_records: int = 256, retry_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 warn_interval_s: float = 30.0, compact_bytes: int = 64 << 20, stop_timeout_s: float = 5.0) -> None:
+        self.path = Path(path)
+        self._file = JournalFile(path)
+        self._ledger = ledger
+        self._flush_interval_s = flush_interval_s
+        self._batch_records = batch_records
+        self._retry_backoff_s = retry_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._warn_interval_s = warn_interval_s
+        self._compact_bytes = compact_bytes
+        self._stop_timeout_s = stop_timeout_s
+        self._buffer = bytearray()  # encoded lines not yet written
+        self._num_buffered = 0
+        self._num_appended = 0  # sequence counters for this object's life, replayed records included
+        self._num_applied = 0
+        self._running = False
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self._outage_since: float | None = None
+        self._last_warning = 0.0
+        self._num_failures = 0
+
+    @property
+    def num_pending(self) -> int:
+        """Records appended (or found at start) that the ledger has not accepted yet."""
+        return self._num_appended - self._num_applied
+
+    def append(self, record: UsageRecord, cost_pico_usd: int) -> None:
+        """Queue one record; returns at once (no disk, no ledger). ValueError for an invalid record."""
+        if not self._running or self._stopping:
+            raise RuntimeError(f"the usage journal {self.path} is not running")
+        check_entry(record, cost_pico_usd)
+        self._buffer += encode(JournalEntry(record, cost_pico_usd)) + b"\n"
+        self._num_buffered += 1
+        self._num_appended += 1
+        self._has_data.set()
+        if self._num_buffered >= self._batch_records:
+            self._batch_full.set()
+
+    async def start(self) -> None:
+        """Open (or create) the file, queue what the checkpoint says is unapplied, start the tasks."""
+        if self._running:
+            raise RuntimeError(f"the usage journal {self.path} is already running")
+        self._has_data = asyncio.Event()
+        self._batch_full = asyncio.Event()
+        self._durable_changed = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._file_lock = asyncio.Lock()  # a write and a compaction never overlap
+        num_replayed = await asyncio.to_thread(self._file.open)
+        self._buffer.clear()
+        self._num_buffered = 0
+        self._num_appended = self._num_applied + num_replayed
+        self._running, self._stopping = True, False
+        if num_replayed:
+            log.info("replaying usage journal", path=str(self.path), num_records=num_replayed)
+        self._tasks = [asyncio.create_task(self._write_loop(), name="usage-journal-writer"),
+                       asyncio.create_task(self._apply_loop(), name="usage-journal-applier")]
+        for task in self._tasks:
+            task.add_done_callback(self._log_crash)
+
+    async def stop(self, timeout: float | None = None) -> int:
+        """Write what is buffered, apply what the ledger takes within `timeout`; returns records left pending."""
+        if not self._running:
+            return self.num_pending
+        self._stopping = True
+        self._has_data.set()
+        self._batch_full.set()
+        self._durable_changed.set()
+        _, not_done = await asyncio.wait(self._tasks, timeout=self._stop_timeout_s if timeout is None else timeout)
+        for task in not_done:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._running = False
+        await asyncio.to_thread(self._file.close)
+        if self._num_buffered:
+            log.error("usage journal stopped with records not written", path=str(self.path),
+                      num_records=self._num_buffered)
+        elif self.num_pending:
+            log.warning("usage journal stopped with records not applied; they replay at next start",
+                        path=str(self.path), num_records=self.num_pending)
+        return self.num_pending
+
+    async def wait_applied(self, timeout: float) -> None:
+        """Wait until every record appended before this call is in the ledger; TimeoutError otherwise."""
+        target = self._num_appended
+        try:
+            async with asyncio.timeout(timeout):
+                while self._num_applied < target:
+                    await self._progress.wait()
+        except TimeoutError:
+            raise TimeoutError(f"usage journal: {target - self._num_applied} records not applied "
+                               f"after {timeout} s") from None
+
+    def _log_crash(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("usage journal task failed; records stay in the journal until a restart",
+                      path=str(self.path), task=task.get_name(), error=f"{type(error).__name__}: {error}")
+
+    async def _write_loop(self) -> None:
+        backoff = self._retry_backoff_s
+        while True:
+            await self._has_data.wait()
+            if self._num_buffered < self._batch_records and not self._stopping:
+                try:
+                    await asyncio.wait_for(self._batch_full.wait(), self._flush_interval_s)
+                except TimeoutError:
+                    pass
+            data, num_records = bytes(self._buffer), self._num_buffered
+            self._buffer.clear()
+            self._num_buffered = 0
+            self._has_data.clear()
+            self._batch_full.clear()
+            if data:
+                try:
+                    async with self._file_lock:
+                        await asyncio.to_thread(self._file.write, data)
+                except OSError as error:
+                    log.error("cannot write the usage journal; retrying", path=str(self.path), error=str(error))
+                    self._buffer[0:0] = data
+                    self._num_buffered += num_records
+                    self._has_data.set()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self._max_backoff_s)
+                    continue
+                backoff = self._retry_backoff_s
+                self._durable_changed.set()
+            if self._stopping and not self._buffer:
+                self._durable_changed.set()  # lets the applier see that the writer is done
+                return
+
+    async def _apply_loop(self) -> None:
+        file = self._file
+        while True:
+            if file.applied_end >= file.durable_end:
+                if self._stopping and self._tasks[0].done():
+                    return
+                self._durable_changed.clear()
+                await self._durable_changed.wait()
+                continue
+            entries, num_lines, end = await asyncio.to_thread(file.read_batch, self._batch_records)
+            await self._apply(entries)
+            self._num_applied += num_lines
+            self._progress.set()
+            self._progress = asyncio.Event()
+            await asyncio.to_thread(file.mark_applied, end)
+            if file.applied_end - file.header_end >= self._compact_bytes:
+                async with self._file_lock:
+                    await asyncio.to_thread(file.compact)
+                log.info("compacted the usage journal", path=str(self.path), num_pending=self.num_pending)
+
+    async def _apply(self, entries: list[JournalEntry]) -> None:
+        """record_many until the ledger takes the batch, with backoff and rate-limited warnings."""
+        backoff = self._retry_backoff_s
+        items = [(entry.record, entry.cost_pico_usd) for entry in entries]
+        while True:
+            try:
+                await self._ledger.record_many(items)
+                break
+            except Exception as error:  # noqa: BLE001 - every ledger error is retried; the data stays on disk
+                self._note_failure(error)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+        if self._outage_since is not None:
+            log.info("usage ledger reachable again", path=str(self.path), num_failures=self._num_failures,
+                     outage_s=round(time.monotonic() - self._outage_since, 3))
+            self._outage_since = None
+
+    def _note_failure(self, error: Exception) -> None:
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since, self._num_failures, self._last_warning = now, 0, now
+            log.warning("usage ledger unreachable; records stay in the journal", path=str(self.path),
+                        error=f"{type(error).__name__}: {error}", num_pending=self.num_pending)
+        elif now - self._last_warning >= self._warn_interval_s:
+            self._last_warning = now
+            log.warning("usage ledger still unreachable", path=str(self.path),
+                        error=f"{type(error).__name__}: {error}", num_failures=self._num_failures,
+                        outage_s=round(now - self._outage_since, 3), num_pending=self.num_pending)
+        self._num_failures += 1

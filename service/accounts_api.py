@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from runtime.block_hash import extend_block_hashes
 from service.errors import APIError
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
+
+
+async def _from_store(awaitable):
+    """Await a ledger/index call; an unreachable store is a 503 the client may retry, not a 500."""
+    try:
+        return await awaitable
+    except (OSError, RedisError) as exc:
+        raise APIError(503, f"the usage store is unreachable ({exc.__class__.__name__}); retry shortly", None,
+                       "store_unavailable", {"Retry-After": "5"}) from exc
 
 
 def _number(request: web.Request, name: str) -> float | None:
@@ -40,7 +50,7 @@ async def usage(request: web.Request) -> web.Response:
     state = request.app[STATE]
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
-    totals = await state.ledger.totals(tenant_id, _number(request, "since"), _number(request, "until"))
+    totals = await _from_store(state.ledger.totals(tenant_id, _number(request, "since"), _number(request, "until")))
     body = totals.to_json(tenant_id)
     body["pending_records"] = state.journal.num_pending
     return web.json_response(body)
@@ -70,7 +80,7 @@ async def create_pin(request: web.Request) -> web.Response:
     if not body.id or len(body.id) > 128:
         raise APIError(400, "id must be 1 to 128 characters", "id", "invalid_value")
     await pin_prefix(state, tenant_id, body.id, body.text)
-    await state.ledger.add_pin(tenant_id, body.id, body.text)
+    await _from_store(state.ledger.add_pin(tenant_id, body.id, body.text))
     return web.json_response({"id": body.id, "tenant": tenant_id, "pinned": True}, status=201)
 
 
@@ -78,7 +88,7 @@ async def list_pins(request: web.Request) -> web.Response:
     state = request.app[STATE]
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
-    pins = [p for p in await state.ledger.list_pins() if p.tenant == tenant_id]
+    pins = [p for p in await _from_store(state.ledger.list_pins()) if p.tenant == tenant_id]
     return web.json_response({"data": [{"id": p.pin_id, "text": p.text, "created_at": p.created_at} for p in pins]})
 
 
@@ -87,7 +97,7 @@ async def delete_pin(request: web.Request) -> web.Response:
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
     pin_id = request.match_info["pin_id"]
-    removed = await state.ledger.remove_pin(tenant_id, pin_id)
+    removed = await _from_store(state.ledger.remove_pin(tenant_id, pin_id))
     await state.bridge.unpin(_engine_pin_id(tenant_id, pin_id))
     if not removed:
         raise APIError(404, f"no pinned prefix {pin_id!r}", "id", "pin_not_found")
@@ -112,6 +122,6 @@ async def prefix_index_lookup(request: web.Request) -> web.Response:
     shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix) // block_size
     hashes: list[bytes] = []
     extend_block_hashes(hashes, token_ids, block_size, salt, shared)
-    replicas = await state.prefix_index.lookup(hashes)
+    replicas = await _from_store(state.prefix_index.lookup(hashes))
     return web.json_response({"tenant": tenant_id, "num_prompt_tokens": len(token_ids), "num_full_blocks": len(hashes),
                               "replicas": replicas})

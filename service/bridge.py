@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks on the inbox before looking again
 MAX_UNDELIVERED_STEPS = 2  # the engine thread waits when the loop is this many steps behind
+STATS_PERIOD_S = 0.05  # engine stats ride along with a step's outputs at most this often (and when idle)
 
 
 class EngineLike(Protocol):
@@ -84,6 +85,7 @@ class EngineBridge:
         self.stats: dict = engine.stats()  # latest snapshot, replaced once per step
         self.num_steps = 0
         self.healthy = True
+        self._stats_at = 0.0  # engine thread: when stats were last taken
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
@@ -136,10 +138,11 @@ class EngineBridge:
         self.inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10.0)
 
-    def _deliver(self, outputs: list[RequestOutput], stats: dict, failed: dict[str, Exception],
+    def _deliver(self, outputs: list[RequestOutput], stats: dict | None, failed: dict[str, Exception],
                  events: tuple[list[bytes], list[bytes]] | None = None) -> None:
         self._undelivered.release()
-        self.stats = stats
+        if stats is not None:
+            self.stats = stats
         if events and (events[0] or events[1]) and self.on_kv_events is not None:
             self.on_kv_events(*events)
         now = time.monotonic()
@@ -155,7 +158,7 @@ class EngineBridge:
             if stream is not None:
                 stream.fail(error)
         if self.on_step is not None:
-            self.on_step(outputs, stats)
+            self.on_step(outputs, self.stats)
 
     # --- engine thread ------------------------------------------------------------------
 
@@ -231,7 +234,10 @@ class EngineBridge:
         return failed
 
     def _post(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> None:
-        stats = self.engine.stats()
+        now = time.monotonic()
+        stats = None
+        if now - self._stats_at > STATS_PERIOD_S or not self.engine.has_unfinished_requests():
+            stats, self._stats_at = self.engine.stats(), now
         events = self.engine.take_kv_events() if self.kv_events else None
         while not self._undelivered.acquire(timeout=IDLE_WAIT_S):  # the loop is behind: let it catch up
             if self._stop_event.is_set():

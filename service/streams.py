@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-
 from runtime.outputs import RequestOutput
 
 
-@dataclass
 class ChoiceDelta:
     """What one choice (sample) gained since the reader last looked."""
 
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.finish_reason: str | None = None
 
 
 class StreamError(RuntimeError):
@@ -57,7 +57,9 @@ class RequestStream:
             new_ids = completion.new_token_ids
             if not (new_ids or completion.new_text or completion.finish_reason):
                 continue
-            delta = self._pending.setdefault(index, ChoiceDelta(index))
+            delta = self._pending.get(index)
+            if delta is None:
+                delta = self._pending[index] = ChoiceDelta(index)
             delta.text += completion.new_text
             delta.token_ids += new_ids
             if completion.logprobs is not None and new_ids:

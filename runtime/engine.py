@@ -341,6 +341,43 @@ class Engine:
             "num_pinned_blocks": self.kv.num_pinned_blocks,
         }
 
+    def page_map(self) -> dict:
+        """A snapshot of every page and every live sequence's page table (the dashboard's picture).
+
+        blocks: parallel lists over block ids: ref_count, cached (holds a hashed full block),
+        owner (index into `sequences` of the first live sequence listing it, -1 if none).
+        sequences: each live sequence's ids, progress and block table (logical -> physical).
+        contiguous_max_len_tokens: what reserving max_model_len slots per live sequence
+        would take right now, for comparison with the pages actually in use.
+        """
+        pool = self.kv.pool
+        sequences = []
+        owner = [-1] * self.num_blocks
+        live = [*self.scheduler.running, *(s for s in self.scheduler.waiting if s.seq_id in self.kv.block_tables)]
+        for i, seq in enumerate(live):
+            table = self.kv.block_ids(seq)
+            for block_id in table:
+                if owner[block_id] == -1:
+                    owner[block_id] = i
+            sequences.append({
+                "seq_id": seq.seq_id, "request_id": seq.request.request_id, "status": seq.status.value,
+                "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": seq.num_tokens,
+                "num_computed_tokens": seq.num_computed_tokens,
+                "max_tokens": seq.params.max_tokens, "block_table": table,
+            })
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "ref_count": [b.ref_count for b in pool.blocks],
+            "cached": [int(b.block_hash is not None) for b in pool.blocks],
+            "owner": owner,
+            "sequences": sequences,
+            "pinned": {pin_id: [b.block_id for b in blocks] for pin_id, blocks in self.kv.pinned.items()},
+            "num_waiting": len(self.scheduler.waiting),
+            "contiguous_max_len_tokens": len(live) * self.max_model_len,
+            "stats": self.stats(),
+        }
+
     def _num_kv_tokens(self) -> int:
         """Token slots holding K/V of live sequences, each shared page counted once."""
         filled: dict[int, int] = {}

@@ -67,6 +67,11 @@ class _Unpin:
 
 
 @dataclass
+class _PageMap:
+    done: asyncio.Future
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -117,6 +122,12 @@ class EngineBridge:
     async def unpin(self, pin_id: str) -> bool:
         done = self.loop.create_future()
         self.inbox.put(_Unpin(pin_id, done))
+        return await done
+
+    async def page_map(self) -> dict:
+        """engine.page_map(), taken on the engine thread between steps."""
+        done = self.loop.create_future()
+        self.inbox.put(_PageMap(done))
         return await done
 
     def abort(self, request_id: str) -> None:
@@ -201,18 +212,20 @@ class EngineBridge:
             elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
             else:
-                self._run_pin_command(command)
+                self._run_query(command)
             try:
                 command = self.inbox.get_nowait()
             except queue.Empty:
                 return True
 
-    def _run_pin_command(self, command: _Pin | _Unpin) -> None:
+    def _run_query(self, command: _Pin | _Unpin | _PageMap) -> None:
         try:
             if isinstance(command, _Pin):
                 result = self.engine.pin_prefix(command.pin_id, command.prompt_token_ids, command.cache_salt)
-            else:
+            elif isinstance(command, _Unpin):
                 result = self.engine.unpin_prefix(command.pin_id)
+            else:
+                result = self.engine.page_map()
         except Exception as exc:
             self.loop.call_soon_threadsafe(_settle, command.done, None, exc)
         else:

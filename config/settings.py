@@ -123,13 +123,25 @@ def load_settings(
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read settings file {path}: {exc}") from exc
     from_env = _env_table(os.environ if environ is None else environ)
-    _merge(table, from_env)
-    _merge(table, overrides or {})
     try:
-        # strings from the environment convert to ints/bools; TOML values keep their types
-        return msgspec.convert(table, Settings, strict=not from_env)
+        msgspec.convert(table, Settings)  # the file's values keep their own types, checked strictly
+        typed_env: dict[str, dict] = {}
+        for section, values in from_env.items():  # environment strings convert field by field
+            struct = SECTIONS[section]
+            for key, text in values.items():
+                typed = msgspec.convert({key: text}, _one_field(struct, key), strict=False)
+                typed_env.setdefault(section, {})[key] = getattr(typed, key)
+        _merge(table, typed_env)
+        _merge(table, overrides or {})
+        return msgspec.convert(table, Settings)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"settings: {exc}") from exc
+
+
+def _one_field(struct: type, key: str) -> type:
+    """A Struct type with just `key` of `struct`, to convert one environment string."""
+    annotation = {f.name: f.type for f in msgspec.structs.fields(struct)}[key]
+    return msgspec.defstruct(f"{struct.__name__}_{key}", [(key, annotation)])
 
 
 def load_engine_settings(path: str | Path | None = None, **overrides) -> EngineSettings:

@@ -72,24 +72,29 @@ class IncrementalDetokenizer:
         return self._append_text(delta)
 
     def _append_text(self, delta: str) -> str | None:
+        """Append; if a stop string now appears, cut at the earliest one and return it."""
         search_from = max(0, len(self.text) - self.hold_back)
         self.text += delta
-        for stop in self.stop:
-            at = self.text.find(stop, search_from)
-            if at != -1:
-                self.text = self.text[: at + len(stop)] if self.include_stop_str else self.text[:at]
-                return stop
-        return None
+        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
+        if not found:
+            return None
+        at, stop = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+        self.text = self.text[: at + len(stop)] if self.include_stop_str else self.text[:at]
+        return stop
 
-    def flush(self) -> None:
-        """At the end: keep whatever bytes are still pending, even if incomplete."""
+    def flush(self) -> str | None:
+        """At the end: keep whatever bytes are still pending, even if incomplete.
+
+        Returns the stop string that the flushed text completed, if any.
+        """
         if self.tokenizer is None or self.read_offset == len(self.context_ids):
-            return
+            return None
         before = self._decode(self.context_ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.context_ids[self.prefix_offset :])
-        if len(after) > len(before):
-            self._append_text(after[len(before) :])
         self.read_offset = len(self.context_ids)
+        if len(after) > len(before):
+            return self._append_text(after[len(before) :])
+        return None
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet handed out; while running, the tail that may begin a stop string waits."""

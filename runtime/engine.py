@@ -45,9 +45,13 @@ class Engine:
         self.settings = settings
         self.model_name = model_name
         config = self.model_config
-        self.max_model_len = min(settings.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks or self._blocks_for_budget(settings.kv_cache_memory_bytes)
+        # pins may hold up to a quarter of the pool; one request must always fit in the rest
+        self.pinned_block_budget = min(settings.pinned_block_budget, self.num_blocks // 4)
+        self.num_schedulable_blocks = self.num_blocks - self.pinned_block_budget
+        self.max_model_len = min(settings.max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         device = torch.device(settings.device)
@@ -60,6 +64,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
         self._ids = itertools.count()
         log.info(
             "engine ready", model=model_name, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -149,9 +154,9 @@ class Engine:
                 code="context_length_exceeded",
             )
         pages = -(-total // self.block_size)
-        if pages > self.num_blocks:
+        if pages > self.num_schedulable_blocks:
             raise InvalidRequestError(
-                f"the request needs {pages} KV pages but the cache holds {self.num_blocks}",
+                f"the request needs {pages} KV pages but at most {self.num_schedulable_blocks} are free for one request",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -174,25 +179,35 @@ class Engine:
     # --- pinned prefixes and KV events ----------------------------------------------------
 
     def pin_prefix(self, pin_id: str, prompt: str | list[int], cache_salt: str | bytes | None = None,
-                   shared_prefix_len: int = 0) -> None:
+                   shared_prefix_len: int = 0) -> str:
         """Prefill `prompt` and keep its full pages (never evicted) until unpin_prefix(pin_id).
 
-        Raises InvalidRequestError (code "pin_budget_exceeded") if the pinned pages would
-        exceed settings.pinned_block_budget.
+        Returns the prefill's request id (its output finishes when the pages are pinned).
+        Raises InvalidRequestError (code "pin_budget_exceeded") if pinned and pending pages
+        would exceed the pin budget (settings.pinned_block_budget, at most a quarter of the pool).
         """
         token_ids = self.tokenize(prompt)
+        num_pages = len(token_ids) // self.block_size
         held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
-        if held + len(token_ids) // self.block_size > self.settings.pinned_block_budget:
+        held += sum(pages for pid, (_, pages) in self._pending_pins.items() if pid != pin_id)
+        if held + num_pages > self.pinned_block_budget:
             raise InvalidRequestError(
-                f"pinning {len(token_ids) // self.block_size} pages would exceed the budget of "
-                f"{self.settings.pinned_block_budget} ({held} held)", param="text", code="pin_budget_exceeded",
+                f"pinning {num_pages} pages would exceed the budget of {self.pinned_block_budget} ({held} held)",
+                param="text", code="pin_budget_exceeded",
             )
+        self.unpin_prefix(pin_id)
+        request_id = f"pin:{pin_id}:{next(self._ids)}"
         params = SamplingParams(max_tokens=1, temperature=0)
-        self.add_request(f"pin:{pin_id}:{next(self._ids)}", token_ids, params, cache_salt, shared_prefix_len, pin_id)
+        self.add_request(request_id, token_ids, params, cache_salt, shared_prefix_len, pin_id)
+        self._pending_pins[pin_id] = (request_id, num_pages)
+        return request_id
 
     def unpin_prefix(self, pin_id: str) -> bool:
-        """Release a pinned prefix's pages back to the cache (evictable again)."""
-        return self.kv.unpin(pin_id)
+        """Release a pinned prefix's pages back to the cache (evictable again); stops a pending prefill."""
+        pending = self._pending_pins.pop(pin_id, None)
+        if pending is not None:
+            self.abort_request(pending[0])
+        return self.kv.unpin(pin_id) or pending is not None
 
     def record_kv_events(self) -> None:
         """Start recording prefix-cache events (blocks stored and removed) for take_kv_events()."""
@@ -259,7 +274,9 @@ class Engine:
             reason = "length"
         if reason is not None:
             if not isinstance(stop_reason, str):
-                seq.detokenizer.flush()
+                stop_string = seq.detokenizer.flush()  # held bytes may complete a stop string
+                if stop_string is not None:
+                    reason, stop_reason = "stop", stop_string
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
 
@@ -285,6 +302,9 @@ class Engine:
         finished = request.finished
         if finished:
             self.requests.pop(request.request_id, None)
+            pin = self._pending_pins.get(request.pin_id) if request.pin_id is not None else None
+            if pin is not None and pin[0] == request.request_id:
+                del self._pending_pins[request.pin_id]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -16,6 +16,7 @@ class InvalidRequestError(ValueError):
 
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
+MAX_N = 128  # samples per request (OpenAI's limit)
 
 
 @dataclass
@@ -50,8 +51,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> None:
             raise InvalidRequestError(f"{param} {why}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -26,9 +28,12 @@ def _number(request: web.Request, name: str) -> float | None:
     if value is None:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        raise APIError(400, f"{name} must be unix seconds, got {value!r}", name, "invalid_value") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise APIError(400, f"{name} must be unix seconds, got {value!r}", name, "invalid_value")
+    return seconds
 
 
 def _target_tenant(state: ServiceState, caller: Tenant, request: web.Request) -> str:
@@ -68,7 +73,8 @@ def _engine_pin_id(tenant_id: str, pin_id: str) -> str:
 async def pin_prefix(state: ServiceState, tenant_id: str, pin_id: str, text: str) -> None:
     """Prefill `text` under the tenant's salt and hold its pages (budget permitting)."""
     token_ids = state.engine.tokenize(text)
-    await state.bridge.pin(_engine_pin_id(tenant_id, pin_id), token_ids, state.tenants.cache_salt(tenant_id))
+    shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix)  # hash as requests will
+    await state.bridge.pin(_engine_pin_id(tenant_id, pin_id), token_ids, state.tenants.cache_salt(tenant_id), shared)
 
 
 async def create_pin(request: web.Request) -> web.Response:

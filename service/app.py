@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from config import Settings
 from service.accounts_api import create_pin, delete_pin, list_pins, prefix_index_lookup, usage
 from service.bridge import EngineBridge
+from service.dashboard import dashboard_events, dashboard_page
 from service.journal import UsageJournal
 from service.ledger import RedisLedger, SQLiteLedger
 from service.prefix_index import MemoryPrefixIndex, RedisPrefixIndex
@@ -59,6 +60,9 @@ def build_stores(settings: Settings):
     server = settings.server
     redis_url = server.redis_url or os.environ.get("REDIS_URL")
     if redis_url:
+        if not server.cache_salt_secret:
+            log.warning("redis_url is set but server.cache_salt_secret is not: each replica salts with its own "
+                        "random secret, so the cluster prefix index cannot match across replicas or restarts")
         client = create_redis(redis_url)
         return RedisLedger(client), RedisRateLimiter(client), RedisPrefixIndex(client), client
     data_dir = Path(server.data_dir)
@@ -81,16 +85,21 @@ async def _publish_kv_events(state: ServiceState, pending: dict[bytes, bool], pe
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period_s)
+        batch: dict[bytes, bool] = {}
         try:
             if pending:
-                stored = [h for h, cached in pending.items() if cached]
-                removed = [h for h, cached in pending.items() if not cached]
+                batch = dict(pending)
                 pending.clear()
+                stored = [h for h, cached in batch.items() if cached]
+                removed = [h for h, cached in batch.items() if not cached]
                 await state.prefix_index.publish(state.replica_id, stored, removed)
+                batch = {}
             if loop.time() - last_heartbeat > 5.0:
                 await state.prefix_index.heartbeat(state.replica_id)
                 last_heartbeat = loop.time()
         except (OSError, RedisError) as exc:
+            for block_hash, cached in batch.items():  # keep the failed batch; newer events win
+                pending.setdefault(block_hash, cached)
             log.warning("prefix index unreachable", error=str(exc))
             await asyncio.sleep(1.0)
 
@@ -99,7 +108,12 @@ async def _restore_pins(state: ServiceState) -> None:
     """Re-pin the registered prefixes (they live in the ledger store, so they survive restarts)."""
     from service.accounts_api import pin_prefix
 
-    for pin in await state.ledger.list_pins():
+    try:
+        pins = await state.ledger.list_pins()
+    except (OSError, RedisError) as exc:
+        log.warning("pinned prefixes not restored: the store is unreachable", error=str(exc))
+        return
+    for pin in pins:
         try:
             await pin_prefix(state, pin.tenant, pin.pin_id, pin.text)
             log.info("pinned prefix restored", tenant=pin.tenant, pin_id=pin.pin_id)
@@ -160,6 +174,8 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], object] 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard_page)
+    app.router.add_get("/dashboard/events", dashboard_events)
     return app
 
 

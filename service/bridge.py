@@ -34,9 +34,14 @@ STATS_PERIOD_S = 0.05  # engine stats ride along with a step's outputs at most t
 
 
 class EngineLike(Protocol):
-    """What the bridge needs from an engine (runtime.Engine, or a stub in benchmarks)."""
+    """What the bridge needs from an engine (runtime.Engine, or a stub in benchmarks).
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: bytes | None = None) -> None: ...
+    Optional, used when present: record_kv_events / take_kv_events (prefix index),
+    pin_prefix / unpin_prefix (pins), page_map (dashboard), requests (abort all on failure).
+    """
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: bytes | None = None,
+                    shared_prefix_len: int = 0) -> None: ...
     def abort_request(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -57,6 +62,7 @@ class _Pin:
     pin_id: str
     prompt_token_ids: list[int]
     cache_salt: bytes | None
+    shared_prefix_len: int
     done: asyncio.Future
 
 
@@ -91,10 +97,10 @@ class EngineBridge:
         self.num_steps = 0
         self.healthy = True
         self._stats_at = 0.0  # engine thread: when stats were last taken
+        self._pin_futures: dict[str, asyncio.Future] = {}  # engine thread: pin prefill id -> loop future
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
-        self.on_step = None  # optional loop-side callback(outputs, stats)
         self.on_kv_events = None  # loop-side callback(stored, removed) when kv_events is on
         self.kv_events = kv_events and hasattr(engine, "record_kv_events")
         if self.kv_events:
@@ -113,10 +119,14 @@ class EngineBridge:
         self.streams[stream.request_id] = stream
         self.inbox.put(_Add(stream, prompt_token_ids, params, cache_salt, shared_prefix_len))
 
-    async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None) -> None:
-        """Prefill a prefix and hold its pages (engine.pin_prefix); raises what the engine raised."""
+    async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
+                  shared_prefix_len: int = 0) -> None:
+        """Prefill a prefix and hold its pages (engine.pin_prefix); returns once they are pinned.
+
+        Raises what the engine raised (e.g. the pin budget) or RuntimeError if the prefill was stopped.
+        """
         done = self.loop.create_future()
-        self.inbox.put(_Pin(pin_id, prompt_token_ids, cache_salt, done))
+        self.inbox.put(_Pin(pin_id, prompt_token_ids, cache_salt, shared_prefix_len, done))
         await done
 
     async def unpin(self, pin_id: str) -> bool:
@@ -140,6 +150,10 @@ class EngineBridge:
     @property
     def num_inflight(self) -> int:
         return len(self.streams)
+
+    @property
+    def num_inflight_sequences(self) -> int:
+        return sum(stream.n for stream in self.streams.values())
 
     async def stop(self) -> None:
         """Abort everything still running and join the engine thread."""
@@ -168,29 +182,67 @@ class EngineBridge:
             stream = self.streams.pop(request_id, None)
             if stream is not None:
                 stream.fail(error)
-        if self.on_step is not None:
-            self.on_step(outputs, self.stats)
+
+    def _fail_all_streams(self, error: Exception) -> None:
+        """Loop side, when the engine thread has stopped for good: nobody waits forever."""
+        for request_id in list(self.streams):
+            self.streams.pop(request_id).fail(error)
 
     # --- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         log.info("engine thread started")
-        while not self._stop_event.is_set():
-            failed: dict[str, Exception] = {}
-            block = not self.engine.has_unfinished_requests()
-            if not self._drain(block, failed):
-                break
-            outputs: list[RequestOutput] = []
-            try:
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self.num_steps += 1
-            except Exception as exc:  # an engine bug must not hang every client
-                log.exception("engine step failed")
-                failed.update(self._abort_all(exc))
-            if outputs or failed or block:
-                self._post(outputs, failed)
-        log.info("engine thread stopped")
+        try:
+            while not self._stop_event.is_set() and self.healthy:
+                self._iterate()
+        except Exception as exc:  # a bug outside step(): fail every stream, never leave them hanging
+            log.exception("engine thread failed")
+            self.healthy = False
+            self._fail_everything(exc)
+        finally:
+            if not self.healthy:
+                self.loop.call_soon_threadsafe(self._fail_all_streams, RuntimeError("the engine stopped"))
+            log.info("engine thread stopped", healthy=self.healthy)
+
+    def _iterate(self) -> None:
+        """One turn: apply the inbox, run one step, hand the outputs to the loop."""
+        failed: dict[str, Exception] = {}
+        block = not self.engine.has_unfinished_requests()
+        if not self._drain(block, failed):
+            self._stop_event.set()
+            return
+        outputs: list[RequestOutput] = []
+        try:
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                self.num_steps += 1
+        except Exception as exc:  # an engine bug must not hang every client
+            log.exception("engine step failed")
+            failed.update(self._abort_all(exc))
+        self._settle_pins(outputs, failed)
+        if outputs or failed or block:
+            self._post(outputs, failed)
+
+    def _fail_everything(self, error: Exception) -> None:
+        try:
+            self._post([], self._abort_all(error))
+        except Exception:
+            log.exception("could not report the engine failure")
+
+    def _settle_pins(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> None:
+        """Resolve pin futures when their prefill ends (pinned) or fails."""
+        if not self._pin_futures:
+            return
+        for output in outputs:
+            if output.finished and output.request_id in self._pin_futures:
+                done = self._pin_futures.pop(output.request_id)
+                aborted = output.outputs[0].finish_reason == "abort"
+                error = RuntimeError("the pin's prefill was stopped") if aborted else None
+                self.loop.call_soon_threadsafe(_settle, done, not aborted, error)
+        for request_id, error in failed.items():
+            done = self._pin_futures.pop(request_id, None)
+            if done is not None:
+                self.loop.call_soon_threadsafe(_settle, done, None, error)
 
     def _drain(self, block: bool, failed: dict[str, Exception]) -> bool:
         """Apply every queued command; wait for one first if the engine is idle. False on stop."""
@@ -221,7 +273,10 @@ class EngineBridge:
     def _run_query(self, command: _Pin | _Unpin | _PageMap) -> None:
         try:
             if isinstance(command, _Pin):
-                result = self.engine.pin_prefix(command.pin_id, command.prompt_token_ids, command.cache_salt)
+                request_id = self.engine.pin_prefix(command.pin_id, command.prompt_token_ids, command.cache_salt,
+                                                    command.shared_prefix_len)
+                self._pin_futures[request_id] = command.done  # settled when the prefill ends
+                return
             elif isinstance(command, _Unpin):
                 result = self.engine.unpin_prefix(command.pin_id)
             else:
@@ -242,7 +297,7 @@ class EngineBridge:
         try:
             self.engine.step()  # flush the aborts
         except Exception:
-            self.healthy = False
+            self.healthy = False  # the thread stops; /ready goes 503; new requests get 503
             log.exception("engine cannot recover")
         return failed
 

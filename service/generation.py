@@ -58,22 +58,44 @@ class Generation:
         self.streams = [RequestStream(rid, len(p), self.n, self.wakeup) for rid, p in zip(ids, prompts)]
         self.started_at = time.monotonic()
         self.created_at = time.time()
-        self.admitted = False  # once True, finish() must run
+        self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
+        self.num_sequences = len(prompts) * self.n
 
     async def admit(self) -> None:
-        """Server capacity (503/429), then the tenant's limits (429 naming the limit)."""
-        self.state.check_admission(len(self.prompts))
-        self.admitted = True
-        num_tokens = sum(len(p) for p in self.prompts)  # corrected to prompt + completion on release
+        """Server capacity (503/429), then the tenant's limits (429 naming the limit).
+
+        Tokens counted against tokens_per_minute are prompt + n * max_tokens (as OpenAI
+        counts them), corrected to what was used on release. A cancellation while the
+        limiter answers gives the lease back as soon as it arrives.
+        """
+        state = self.state
+        state.reserve_capacity(self.num_sequences)
         try:
-            self.lease = await self.state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens)
-        except RateLimitExceeded as exc:
-            raise APIError(429, exc.message, None, "rate_limit_exceeded",
-                           {"Retry-After": str(exc.retry_after_s)}) from exc
-        except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
-            log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
+            num_tokens = sum(len(p) + p_params.n * p_params.max_tokens for p, p_params in zip(self.prompts, self.params))
+            acquire = asyncio.ensure_future(state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens))
+            try:
+                self.lease = await asyncio.shield(acquire)
+            except asyncio.CancelledError:
+                acquire.add_done_callback(self._release_orphan)
+                raise
+            except RateLimitExceeded as exc:
+                raise APIError(429, exc.message, None, "rate_limit_exceeded",
+                               {"Retry-After": str(exc.retry_after_s)}) from exc
+            except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
+                log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
+        except BaseException:
+            state.release_capacity(self.num_sequences)
+            raise
+        self.admitted = True
+
+    def _release_orphan(self, acquire: asyncio.Future) -> None:
+        if not acquire.cancelled() and acquire.exception() is None:
+            self.lease = acquire.result()
+            self.state.spawn(self._release(0))
 
     def start(self) -> None:
+        """Hand every prompt to the engine (after admit())."""
+        self.state.release_capacity(self.num_sequences)  # the bridge counts them from here on
         for stream, token_ids, params, shared in zip(self.streams, self.prompts, self.params, self.shared_prefix_lens):
             self.state.bridge.submit(stream, token_ids, params, self.cache_salt, shared)
 
@@ -99,22 +121,26 @@ class Generation:
         elapsed = time.monotonic() - self.started_at
         finished_at = time.time()
         state = self.state
-        plan = self.tenant.price_plan(state.model_name)
-        for stream in self.streams:
+        for stream in self.streams:  # first stop the engine work, whatever happens below
             if not stream.finished:
                 state.bridge.abort(stream.request_id)
+        usage = self.usage()
+        if self.lease is not None:
+            state.spawn(self._release(usage["total_tokens"]))
+        plan = self.tenant.price_plan(state.model_name)
+        for stream in self.streams:
             reason = "error" if stream.error else next((r for r in stream.finish_reasons if r), "abort")
-            state.metrics.observe(stream, reason, elapsed)
             record = UsageRecord(
                 request_id=stream.request_id, tenant=self.tenant.tenant_id, model=state.model_name,
                 prompt_tokens=stream.num_prompt_tokens, cached_tokens=stream.num_cached_tokens,
                 completion_tokens=stream.num_output_tokens, finish_reason=reason,
                 created_at=self.created_at, finished_at=finished_at,
             )
-            state.journal.append(record, cost_pico_usd(record, plan))
-        usage = self.usage()
-        if self.lease is not None:
-            state.spawn(self._release(usage["total_tokens"]))
+            try:
+                state.journal.append(record, cost_pico_usd(record, plan))
+            except Exception:  # one bad record must not stop the others from being billed
+                log.exception("usage record not journaled", request_id=stream.request_id)
+            state.metrics.observe(stream, reason, elapsed)
         first = self.streams[0]
         log.info(
             "request finished", request_id=self.fmt.response_id, tenant=self.tenant.tenant_id,

@@ -124,6 +124,7 @@ class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only
 
 class CompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
+    max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
     logprobs: int | None = None
     echo: bool = False
 

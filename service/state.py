@@ -30,6 +30,8 @@ class ServiceState:
     prefix_index: object  # service.prefix_index: MemoryPrefixIndex or RedisPrefixIndex
     replica_id: str
     draining: bool = False
+    num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
+    page_map_feed: object | None = None  # service.dashboard.PageMapFeed, made for the first viewer
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
 
@@ -59,15 +61,20 @@ class ServiceState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def check_admission(self, num_requests: int) -> None:
-        """503 while draining or broken; 429 when the queue beyond the running batch is full."""
+    def reserve_capacity(self, num_sequences: int) -> None:
+        """503 while draining or broken; 429 when the queue beyond the running batch is full;
+        else hold `num_sequences` places until release_capacity (the bridge counts them once submitted)."""
         if not self.ready:
             raise APIError(503, "the server is shutting down or unhealthy; retry on another replica", None,
                            "service_unavailable", {"Retry-After": "5"})
         limit = self.settings.engine.max_num_seqs + self.settings.server.max_queued_requests
-        if self.bridge.num_inflight + num_requests > limit:
-            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly", None,
+        if self.bridge.num_inflight_sequences + self.num_reserved + num_sequences > limit:
+            raise APIError(429, f"the server is at capacity ({limit} sequences in flight); retry shortly", None,
                            "too_many_requests", {"Retry-After": "1"})
+        self.num_reserved += num_sequences
+
+    def release_capacity(self, num_sequences: int) -> None:
+        self.num_reserved -= num_sequences
 
 
 STATE = web.AppKey("state", ServiceState)

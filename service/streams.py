@@ -24,10 +24,6 @@ class ChoiceDelta:
         self.finish_reason: str | None = None
 
 
-class StreamError(RuntimeError):
-    """The engine failed this request; the message is safe to show the client."""
-
-
 class RequestStream:
     """A mailbox for one request's outputs, with its timing and token counts."""
 

@@ -101,22 +101,21 @@ class TenantDirectory:
     """Finds the tenant for an API key (constant-time compares) and derives its cache salt."""
 
     def __init__(self, tenants: dict[str, Tenant], key_hashes: list[tuple[bytes, str]],
-                 admin_hashes: list[bytes], shared_prefixes: list[SharedPrefixConfig], salt_secret: bytes) -> None:
+                 admin_hashes: list[bytes], shared_prefixes: list[SharedPrefixConfig], salt_secret: bytes,
+                 is_open: bool = False) -> None:
         self.tenants = tenants
-        self._key_hashes = key_hashes  # (sha256 digest, tenant id); tenant "" marks an admin key
+        self._key_hashes = key_hashes  # (sha256 digest, tenant id)
         self._admin_hashes = admin_hashes
         self.shared_prefixes = shared_prefixes
         self._salt_secret = salt_secret
-
-    @property
-    def is_open(self) -> bool:
-        return not self._key_hashes and not self._admin_hashes
+        self.is_open = is_open  # only without a tenants file; a file with no keys admits nobody
+        self._prefix_ids: dict[tuple[str, bool], list[int]] = {}  # shared prefix text -> token ids
 
     @classmethod
     def open(cls, salt_secret: bytes | None = None) -> TenantDirectory:
         """No tenants file: everyone is tenant "default", free, unlimited."""
         tenants = {DEFAULT_TENANT: Tenant(DEFAULT_TENANT, FREE)}
-        return cls(tenants, [], [], [], salt_secret or secrets.token_bytes(32))
+        return cls(tenants, [], [], [], salt_secret or secrets.token_bytes(32), is_open=True)
 
     @classmethod
     def from_file(cls, path: str | Path, salt_secret: bytes | None = None) -> TenantDirectory:
@@ -174,7 +173,11 @@ class TenantDirectory:
         for prefix in self.shared_prefixes:
             if prompt_cache_key is not None and prefix.name != prompt_cache_key:
                 continue
-            for ids in (encode(prefix.text, True), encode(prefix.text, False)):  # with and without BOS
+            for with_bos in (True, False):
+                key = (prefix.text, with_bos)
+                ids = self._prefix_ids.get(key)
+                if ids is None:
+                    ids = self._prefix_ids[key] = encode(prefix.text, with_bos)
                 if len(ids) > best and prompt_token_ids[: len(ids)] == ids:
                     best = len(ids)
         return best

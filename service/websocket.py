@@ -20,6 +20,7 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from service.errors import APIError, from_exception
+from service.formatting import usage_dict
 from service.openai_api import chat_generation
 from service.protocol import ChatCompletionRequest
 from service.state import STATE
@@ -41,7 +42,9 @@ class Socket:
         self.state = state
         self.tenant = tenant
         self.tasks: dict[str, asyncio.Task] = {}
-        self.cancelled: set[str] = set()
+        self.cancelled: set[str] = set()  # ids the client cancelled (vs. the socket closing)
+        self.started: set[str] = set()  # ids whose task has begun running
+        self.pending_sends: set[asyncio.Future] = set()
         self.write_lock = asyncio.Lock()
 
     async def send(self, message: dict) -> None:
@@ -70,9 +73,24 @@ class Socket:
         if command.id in self.tasks:
             await self.error(command.id, APIError(400, f"request id {command.id!r} is already running", "id"))
             return
-        self.tasks[command.id] = asyncio.create_task(self.run(command.id, command.body or {}))
+        task = asyncio.create_task(self.run(command.id, command.body or {}))
+        self.tasks[command.id] = task
+        task.add_done_callback(lambda done, request_id=command.id: self._forget(request_id, done))
+
+    def _forget(self, request_id: str, task: asyncio.Task) -> None:
+        """Drop a finished task; a request cancelled before it ever ran still gets its "done"."""
+        if self.tasks.get(request_id) is task:
+            del self.tasks[request_id]
+        never_ran = request_id not in self.started
+        self.started.discard(request_id)
+        if request_id in self.cancelled:
+            self.cancelled.discard(request_id)
+            if never_ran and task.cancelled():
+                message = {"type": "done", "id": request_id, "usage": usage_dict(0, 0, 0), "finish_reasons": ["abort"]}
+                self.pending_sends.add(asyncio.ensure_future(self.send(message)))
 
     async def run(self, request_id: str, raw_body: dict) -> None:
+        self.started.add(request_id)
         generation = None
         try:
             body = msgspec.convert(raw_body, ChatCompletionRequest, strict=True)
@@ -95,26 +113,29 @@ class Socket:
                 for stream in generation.streams:
                     if not stream.finished:
                         self.state.bridge.abort(stream.request_id)
-            if request_id in self.cancelled and generation is not None:
+            if request_id not in self.cancelled:
+                raise  # the socket is closing
+            if generation is not None:
                 await self._done(request_id, generation)
-            elif request_id not in self.cancelled:
-                raise
         except Exception as exc:
             await self.error(request_id, exc)
         finally:
             if generation is not None and generation.admitted:
                 generation.finish()
-            self.tasks.pop(request_id, None)
-            self.cancelled.discard(request_id)
 
     async def _done(self, request_id: str, generation) -> None:
+        """The request's end: its usage (nothing if it was never admitted) and finish reasons."""
+        if not generation.admitted:
+            await self.send({"type": "done", "id": request_id, "usage": usage_dict(0, 0, 0), "finish_reasons": ["abort"]})
+            return
         reasons = [r for s in generation.streams for r in s.finish_reasons]
         await self.send({"type": "done", "id": request_id, "usage": generation.usage(), "finish_reasons": reasons})
 
     async def close(self) -> None:
-        for task in list(self.tasks.values()):
+        tasks = list(self.tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, *self.pending_sends, return_exceptions=True)
 
 
 async def websocket_stream(request: web.Request) -> web.WebSocketResponse:

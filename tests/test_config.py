@@ -35,3 +35,10 @@ def test_bad_values_are_errors():
         load_settings(environ={}, overrides={"engine": {"block_size": 12}})
     with pytest.raises(ConfigError, match="port"):
         load_settings(environ={"PAGEDSERVE_SERVER_PORT": "not-a-number"})
+
+
+def test_file_values_stay_strict_even_with_environment_overrides(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('[server]\nport = "8000"\n')
+    with pytest.raises(ConfigError, match="port"):
+        load_settings(path, environ={"PAGEDSERVE_ENGINE_MAX_NUM_SEQS": "4"})

@@ -54,7 +54,7 @@ def test_pin_over_budget_is_refused(stories_dir):
 
 
 def test_kv_events_report_stored_and_removed_hashes(stories_dir):
-    engine = Engine.from_pretrained(stories_dir, num_blocks=6)
+    engine = Engine.from_pretrained(stories_dir, num_blocks=6, pinned_block_budget=0)
     engine.record_kv_events()
     first = _tokens(40, seed=11)
     engine.generate([first], ONE)
@@ -65,3 +65,24 @@ def test_kv_events_report_stored_and_removed_hashes(stories_dir):
     stored_2, removed_2 = engine.take_kv_events()
     assert set(removed_2) == set(stored) and len(stored_2) == 5
     assert engine.take_kv_events() == ([], [])
+
+
+def test_unpin_before_the_prefill_ends_leaves_nothing_pinned(stories_dir):
+    engine = Engine.from_pretrained(stories_dir, num_blocks=32, pinned_block_budget=8)
+    engine.pin_prefix("early", _tokens(48, seed=4))
+    assert engine.unpin_prefix("early")  # still queued: its prefill is aborted
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["num_pinned_blocks"] == 0 and engine.stats()["num_free_blocks"] == 32
+
+
+def test_pinned_pages_never_make_a_request_unschedulable(stories_dir):
+    engine = Engine.from_pretrained(stories_dir, num_blocks=8, pinned_block_budget=64)
+    assert engine.pinned_block_budget == 2  # at most a quarter of the pool
+    engine.pin_prefix("p", _tokens(32, seed=5))
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("too-big", _tokens(90, seed=6), SamplingParams(max_tokens=10))
+    outs = engine.generate([_tokens(80, seed=7), _tokens(20, seed=8)], SamplingParams(max_tokens=15, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [15, 15]

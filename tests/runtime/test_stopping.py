@@ -58,3 +58,8 @@ def test_streamed_text_never_shows_a_stop_string_prefix(engine, case):
             pieces.append(output.outputs[0].new_text)
     assert "".join(pieces) == ", there was a little girl named "
     assert all("Lily" not in p for p in pieces)
+
+
+def test_the_earliest_of_several_stop_strings_wins(engine, case):
+    out = _run(engine, case, stop=["girl", "there"])  # "there" comes first in the text
+    assert out.text == ", " and out.stop_reason == "there"

@@ -97,3 +97,19 @@ def test_closing_the_socket_aborts_its_requests(server):
 
     asyncio.run(main())
     server.wait_idle()
+
+
+def test_cancel_in_the_same_packet_as_the_request_still_answers_done(server):
+    async def main_two_frames():
+        async with websockets.connect(_ws_url(server)) as ws:
+            await ws.send(_request("fast", "Go", max_tokens=300, ignore_eos=True))
+            await ws.send(json.dumps({"type": "cancel", "id": "fast"}))
+            done = await _collect(ws, {"fast"})
+            await ws.send(_request("fast", "Again", max_tokens=3))  # the id is free again
+            again = await _collect(ws, {"fast"})
+            return done, again
+
+    done, again = asyncio.run(main_two_frames())
+    assert done["fast"][-1]["type"] == "done" and done["fast"][-1]["finish_reasons"] == ["abort"]
+    assert again["fast"][-1]["type"] == "done" and again["fast"][-1]["usage"]["completion_tokens"] == 3
+    server.wait_idle()

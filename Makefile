@@ -29,8 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) bench/bench_engine.py
-	$(PY) bench/bench_service.py
+	$(PY) bench/run_all.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,63 +1,61 @@
-"""Engine throughput against Hugging Face transformers, and page waste on a mixed batch.
+"""Engine throughput and latency against Hugging Face transformers; page waste on a mixed batch.
 
     .venv/bin/python bench/bench_engine.py [--repeats 3] [--quick]
 
-Same prompts, same greedy decoding, same thread count, one process, systems alternated,
-median of the repeats. Results: bench/results/engine_vs_hf.json.
+Same model, same prompts, same per-request output lengths, greedy, EOS ignored, torch
+threads pinned, one process, the three systems alternated, median of the repeats
+(after one untimed warm-up run of each system). Results: bench/results/engine_vs_hf.json.
 
-1. Page waste: a mixed-length batch through the engine; at every step, slots in pages
-   that hold no K/V, as a share of slots in pages in use (peak and time-averaged), next to
-   what a contiguous max-length reservation would hold.
-2. Output tokens/s of Engine.generate vs transformers `generate` (static batch, left
-   padding, KV cache) on stories260K and on a ~20M-parameter random-weight Llama.
+1. Page waste (no peer): a mixed-length batch through the engine on stories260K; at every
+   step, slots in pages that hold no K/V, as a share of the slots in pages in use.
+2. Offline throughput and per-request latency on stories260K and on a ~20M-parameter
+   random-weight Llama. Each request has its own output length (log-uniform in
+   [OUT_MIN, OUT_MAX]), so a static batch keeps computing rows that are done:
+     pagedserve        Engine.add_request per prompt (max_tokens = its length), step() to the end
+     hf-generate       model.generate, one static batch of all prompts, left padding,
+                       max_new_tokens = min_new_tokens = the longest length (rows past their own
+                       length are wasted work; only each request's own tokens are counted)
+     hf-continuous     transformers' continuous batching (paged attention), an explicit
+                       ContinuousBatchingConfig(page_size=16, num_blocks, max_batch_tokens) with
+                       the same KV token budget and per-step token budget as pagedserve, one
+                       add_request per prompt with its own max_new_tokens. (`generate_batch` is a
+                       loop over this same manager but takes one max_new_tokens for all prompts.)
+   Output tokens/s = requested output tokens / wall time from submission to the last result.
+   Latency of a request = submission (all at t=0) to its result (static: its batch's end).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import logging
+import math
 import random
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import (STORIES, log, machine_info, make_prompts, median, num_parameters, percentile, pin_threads,
+                    quick_mode, random_llama_dir, run_alternated, write_result)
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from runtime import Engine, SamplingParams  # noqa: E402
 
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
-RESULTS = REPO / "bench" / "results"
+PROMPT_MIN, PROMPT_MAX = 16, 128
+OUT_MIN, OUT_MAX = 8, 256
+KV_TOKENS = 16384  # KV token slots for both paged systems
+MAX_BATCHED_TOKENS = 1024  # per-step token budget for both paged systems
+BLOCK_SIZE = 16
 
 
-def make_prompts(num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 512) for _ in range(rng.randint(min_len, max_len) - 1)] for _ in range(num)]
+def make_workload(num: int, seed: int, out_max: int = OUT_MAX) -> tuple[list[list[int]], list[int]]:
+    prompts = make_prompts(num, PROMPT_MIN, PROMPT_MAX, seed=seed)
+    rng = random.Random(seed + 1)
+    lengths = [round(math.exp(rng.uniform(math.log(OUT_MIN), math.log(out_max)))) for _ in prompts]
+    return prompts, lengths
 
 
-def make_random_llama(path: Path) -> Path:
-    """A ~20M-parameter Llama with random weights and stories260K's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=512, intermediate_size=1408, num_hidden_layers=7, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / name, path / name)
-    return path
+# --- page waste -------------------------------------------------------------------------
 
 
 def page_waste(model_dir: Path, block_size: int) -> dict:
@@ -77,7 +75,7 @@ def page_waste(model_dir: Path, block_size: int) -> dict:
         stats = engine.stats()
         reserved = stats["num_used_blocks"] * block_size
         if reserved:
-            contiguous = sum(live.values())  # max-length reservation of the same live requests
+            contiguous = sum(live.values())  # reserving prompt + max_tokens for the same live requests
             samples.append((reserved, stats["num_kv_tokens"], contiguous, stats["num_running"]))
     waste = [(r - used) / r for r, used, _, _ in samples]
     contiguous_waste = [(c - used) / c for _, used, c, _ in samples if c]
@@ -93,76 +91,147 @@ def page_waste(model_dir: Path, block_size: int) -> dict:
     }
 
 
-def run_ours(model_dir: Path, prompts, max_new_tokens: int) -> float:
-    engine = Engine.from_pretrained(model_dir, num_blocks=2048, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
+# --- the three systems ------------------------------------------------------------------
+
+
+def run_ours(model_dir: Path, prompts, lengths) -> dict:
+    engine = Engine.from_pretrained(model_dir, num_blocks=KV_TOKENS // BLOCK_SIZE, block_size=BLOCK_SIZE,
+                                    max_num_seqs=len(prompts), max_num_batched_tokens=MAX_BATCHED_TOKENS,
                                     enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    latency: dict[str, float] = {}
+    produced = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                latency[out.request_id] = time.perf_counter() - start
+                produced += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
-    if sum(len(o.outputs[0].token_ids) for o in outs) != len(prompts) * max_new_tokens:
-        raise RuntimeError("engine produced the wrong number of tokens")
-    return elapsed
+    if produced != sum(lengths):
+        raise RuntimeError(f"pagedserve produced {produced} tokens, expected {sum(lengths)}")
+    return _summary(elapsed, sum(lengths), list(latency.values()))
 
 
-def run_hf(model, prompts, max_new_tokens: int) -> float:
+def run_hf_generate(model, prompts, lengths) -> dict:
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    longest = max(lengths)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest,
+                             min_new_tokens=longest, do_sample=False, pad_token_id=0)
     elapsed = time.perf_counter() - start
-    if out.shape[1] - width != max_new_tokens:
-        raise RuntimeError("transformers produced the wrong number of tokens")
-    return elapsed
+    if out.shape[1] - width != longest:
+        raise RuntimeError("transformers generate produced the wrong number of tokens")
+    return _summary(elapsed, sum(lengths), [elapsed] * len(prompts))
 
 
-def throughput(name: str, model_dir: Path, prompts, max_new_tokens: int, repeats: int) -> dict:
+def run_hf_continuous(model, prompts, lengths) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(lengths))
+    cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=KV_TOKENS // BLOCK_SIZE,
+                                         max_batch_tokens=MAX_BATCHED_TOKENS, seed=0)
+    with model.continuous_batching_context_manager(generation_config=generation_config,
+                                                   continuous_batching_config=cb_config, block=True,
+                                                   timeout=10) as manager:
+        start = time.perf_counter()  # the manager (cache, warm-up) is built before the clock starts
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            manager.add_request(prompt, request_id=f"b{i}", max_new_tokens=n, eos_token_id=-1)
+        latency: dict[str, float] = {}
+        produced = 0
+        while len(latency) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers continuous batching failed: {result.error}")
+                latency[result.request_id] = time.perf_counter() - start
+                produced += len(result.generated_tokens)
+        elapsed = time.perf_counter() - start
+    if produced != sum(lengths):
+        raise RuntimeError(f"transformers continuous batching produced {produced} tokens, expected {sum(lengths)}")
+    return _summary(elapsed, sum(lengths), list(latency.values()))
+
+
+def _summary(elapsed: float, tokens: int, latencies: list[float]) -> dict:
+    return {"output_tok_per_s": tokens / elapsed, "seconds": elapsed,
+            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
+            "latency_mean_s": statistics.fmean(latencies)}
+
+
+def throughput(name: str, model_dir: Path, num_prompts: int, repeats: int, out_max: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    prompts, lengths = make_workload(num_prompts, seed=3, out_max=out_max)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    ours, hf = [], []
-    for _ in tqdm(range(repeats), desc=f"throughput {name}", unit="round"):
-        ours.append(run_ours(model_dir, prompts, max_new_tokens))
-        hf.append(run_hf(hf_model, prompts, max_new_tokens))
-    tokens = len(prompts) * max_new_tokens
-    ours_tps, hf_tps = tokens / statistics.median(ours), tokens / statistics.median(hf)
-    return {
+    systems = {
+        "pagedserve": lambda: run_ours(model_dir, prompts, lengths),
+        "hf-generate": lambda: run_hf_generate(hf_model, prompts, lengths),
+        "hf-continuous": lambda: run_hf_continuous(hf_model, prompts, lengths),
+    }
+    warm_prompts, warm_lengths = make_workload(4, seed=99, out_max=16)
+    for system, _ in systems.items():  # untimed warm-up: first-call costs stay out of the medians
+        log(f"throughput {name}: warm-up {system}")
+        {"pagedserve": lambda: run_ours(model_dir, warm_prompts, warm_lengths),
+         "hf-generate": lambda: run_hf_generate(hf_model, warm_prompts, warm_lengths),
+         "hf-continuous": lambda: run_hf_continuous(hf_model, warm_prompts, warm_lengths)}[system]()
+    runs = run_alternated(systems, repeats, f"throughput {name}")
+    out = {
         "model": name,
+        "parameters": num_parameters(model_dir),
         "num_prompts": len(prompts),
         "prompt_len_range": [min(map(len, prompts)), max(map(len, prompts))],
-        "max_new_tokens": max_new_tokens,
-        "pagedserve_tok_per_s": round(ours_tps, 1),
-        "transformers_generate_tok_per_s": round(hf_tps, 1),
-        "ratio": round(ours_tps / hf_tps, 2),
-        "pagedserve_seconds": [round(t, 3) for t in ours],
-        "transformers_seconds": [round(t, 3) for t in hf],
+        "output_len_range": [min(lengths), max(lengths)],
+        "output_tokens": sum(lengths),
+        "systems": {},
     }
+    for system, system_runs in runs.items():
+        out["systems"][system] = {
+            "output_tok_per_s": round(median([r["output_tok_per_s"] for r in system_runs]), 1),
+            "latency_p50_s": round(median([r["latency_p50_s"] for r in system_runs]), 3),
+            "latency_p90_s": round(median([r["latency_p90_s"] for r in system_runs]), 3),
+            "latency_mean_s": round(median([r["latency_mean_s"] for r in system_runs]), 3),
+            "seconds": [round(r["seconds"], 3) for r in system_runs],
+            "background_cpu_pct": [r["background_cpu_pct"] for r in system_runs],
+        }
+    ours = out["systems"]["pagedserve"]
+    for peer in ("hf-generate", "hf-continuous"):
+        theirs = out["systems"][peer]
+        out[f"throughput_ratio_vs_{peer}"] = round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 2)
+        out[f"latency_p50_ratio_vs_{peer}"] = round(ours["latency_p50_s"] / theirs["latency_p50_s"], 2)
+    log(f"throughput {name}: " + ", ".join(f"{k}={v}" for k, v in out.items() if "ratio" in k))
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens, for a smoke run")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    num_prompts, max_new = (8, 16) if args.quick else (32, 64)
-    result = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                          "torch": torch.__version__}}
-    print("page waste on a mixed-length batch ...", file=sys.stderr)
-    result["page_waste"] = [page_waste(STORIES, bs) for bs in (8, 16, 32)]
-    prompts = make_prompts(num_prompts, 16, 128, seed=3)
-    result["throughput"] = [throughput("stories260K", STORIES, prompts, max_new, args.repeats)]
-    with tempfile.TemporaryDirectory() as tmp:
-        llama20m = make_random_llama(Path(tmp) / "llama-20m")
-        result["throughput"].append(throughput("random-llama-20M", llama20m, prompts, max_new, args.repeats))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out_path = RESULTS / ("engine_vs_hf_quick.json" if args.quick else "engine_vs_hf.json")
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    print(f"wrote {out_path}", file=sys.stderr)
+    quick_mode(args.quick)
+    pin_threads()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    result = {"machine": machine_info(), "repeats": args.repeats,
+              "kv_tokens": KV_TOKENS, "block_size": BLOCK_SIZE, "max_batched_tokens": MAX_BATCHED_TOKENS}
+    log("page waste on a mixed-length batch ...")
+    result["page_waste"] = [page_waste(STORIES, bs) for bs in ((16,) if args.quick else (8, 16, 32))]
+    num_prompts, out_max = (8, 32) if args.quick else (32, OUT_MAX)
+    result["throughput"] = [throughput("stories260K", STORIES, num_prompts, args.repeats, out_max)]
+    llama20m, tmp = random_llama_dir()
+    with tmp:
+        result["throughput"].append(throughput("random-llama-20M", llama20m, num_prompts, args.repeats, out_max))
+    write_result("engine_vs_hf", args.quick, result)
 
 
 if __name__ == "__main__":

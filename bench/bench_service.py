@@ -14,50 +14,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import re
-import socket
-import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from common import (STORIES, free_port, log, machine_info, percentile, start_process, stop_process, wait_http,
+                    write_result)
 
 import aiohttp  # noqa: E402
 import uvloop  # noqa: E402
 
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
-RESULTS = REPO / "bench" / "results"
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=os.environ | (env or {}))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+def start_server(args: list[str], port: int):
+    """Start a server (this repo's interpreter) with its own data dir; return once /ready answers."""
+    proc = start_process([sys.executable, *args, "--port", str(port)],
+                         env={"PAGEDSERVE_SERVER_DATA_DIR": tempfile.mkdtemp(prefix="bench-service-")})
+    wait_http(f"http://127.0.0.1:{port}/ready", proc, timeout=120)
+    return proc
 
 
 TEXT_FIELD = re.compile(rb'"text":"([0-9 ]*)"')
@@ -125,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    result: dict = {"cpus": os.cpu_count()}
+    result: dict = {"machine": machine_info()}
     port = free_port()
     proc = start_server(["bench/stub_server.py"], port)
     try:
@@ -133,30 +107,25 @@ def main() -> None:
         plan = [(1, 2000), (64, 100), (512, 20)] if args.quick else [(1, 20000), (64, 1500), (512, 200)]
         result["overhead_stub_engine"] = []
         for concurrency, tokens_each in plan:
-            print(f"overhead: {concurrency} streams x {tokens_each} tokens ...", file=sys.stderr, flush=True)
+            log(f"overhead: {concurrency} streams x {tokens_each} tokens ...")
             run = uvloop.run(overhead_run(url, concurrency, tokens_each))
-            print(f"  {run}", file=sys.stderr, flush=True)
+            log(f"  {run}")
             result["overhead_stub_engine"].append(run)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_process(proc)
     port = free_port()
     proc = start_server(["-m", "service.cli", "serve", "--model", str(STORIES), "--max-num-seqs", "64"], port)
     try:
         url = f"http://127.0.0.1:{port}"
         result["real_engine_stories260K"] = []
         for concurrency in (1, 16, 64):
-            print(f"real engine: {concurrency} streams ...", file=sys.stderr, flush=True)
+            log(f"real engine: {concurrency} streams ...")
             run = uvloop.run(real_run(url, concurrency, 32 if args.quick else 128))
-            print(f"  {run}", file=sys.stderr, flush=True)
+            log(f"  {run}")
             result["real_engine_stories260K"].append(run)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("service_quick.json" if args.quick else "service.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+        stop_process(proc)
+    write_result("service", args.quick, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Run every benchmark in turn (what `make bench` does); `--quick` for a smoke run of each.
+
+    .venv/bin/python bench/run_all.py [--quick] [--only kv_memory,prefix ...]
+
+Each script runs in its own process (so one's threads, servers and memory never touch the
+next), its progress lines pass through, and a failure is reported without stopping the
+rest. Durations and exit codes: bench/results/run_all.json (run_all_quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from common import REPO, log, machine_info, write_result
+
+SCRIPTS = {
+    "kv_memory": "bench_kv_memory.py",
+    "parallel_sampling": "bench_parallel_sampling.py",
+    "overhead": "bench_overhead.py",
+    "prefix": "bench_prefix.py",
+    "engine": "bench_engine.py",
+    "serving": "bench_serving.py",
+    "service": "bench_service.py",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated names: " + ",".join(SCRIPTS))
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(SCRIPTS)
+    unknown = set(names) - set(SCRIPTS)
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    start_all = time.monotonic()
+    runs = []
+    for i, name in enumerate(names, 1):
+        log(f"=== [{i}/{len(names)}] {name} ({SCRIPTS[name]}) ===")
+        start = time.monotonic()
+        command = [sys.executable, str(REPO / "bench" / SCRIPTS[name]), *(["--quick"] if args.quick else [])]
+        returncode = subprocess.call(command, cwd=REPO)
+        runs.append({"name": name, "script": f"bench/{SCRIPTS[name]}", "seconds": round(time.monotonic() - start, 1),
+                     "returncode": returncode})
+        log(f"=== {name}: {'ok' if returncode == 0 else f'FAILED ({returncode})'} in {runs[-1]['seconds']}s ===")
+    total = round(time.monotonic() - start_all, 1)
+    write_result("run_all", args.quick, {"machine": machine_info(), "quick": args.quick, "total_seconds": total,
+                                         "runs": runs})
+    failed = [r["name"] for r in runs if r["returncode"]]
+    log(f"all done in {total / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Print the BENCHMARKS.md summary table from bench/results/*.json (run after `make bench`).
+
+    .venv/bin/python bench/summary.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from common import result_path
+
+
+def load(name: str, quick: bool) -> dict | None:
+    path = result_path(name, quick)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def rows(quick: bool) -> list[tuple[str, str, str, str]]:
+    """(figure, ours, peer, ratio or verdict)."""
+    out = []
+    kv = load("kv_memory", quick)
+    if kv:
+        share = {p["policy"]: p for p in kv["policies"]}
+        paged = share["paged-16"]
+        for name in ("contiguous-max", "power-of-two", "exact-oracle"):
+            p = share[name]
+            out.append((f"KV slots holding token states, paged-16 vs {name} (sim.)",
+                        f"{paged['token_share_of_reserved_pct']}%", f"{p['token_share_of_reserved_pct']}%",
+                        f"mean batch x{round(paged['mean_batch'] / p['mean_batch'], 2)}"))
+        for bs in (8, 32):
+            p = share[f"paged-{bs}"]
+            out.append((f"KV slots holding token states, paged-{bs} (sim.)", f"{p['token_share_of_reserved_pct']}%",
+                        "goal >= 97%", "met" if p["token_share_of_reserved_pct"] >= 97 else "not met"))
+    engine = load("engine_vs_hf", quick)
+    if engine:
+        for t in engine["throughput"]:
+            s = t["systems"]
+            for peer in ("hf-generate", "hf-continuous"):
+                out.append((f"output tok/s, {t['model']}, vs {peer}", f"{s['pagedserve']['output_tok_per_s']}",
+                            f"{s[peer]['output_tok_per_s']}", f"x{t[f'throughput_ratio_vs_{peer}']}"))
+                out.append((f"request latency p50 (s), {t['model']}, vs {peer}", f"{s['pagedserve']['latency_p50_s']}",
+                            f"{s[peer]['latency_p50_s']}", f"x{t[f'latency_p50_ratio_vs_{peer}']}"))
+    serving = load("serving", quick)
+    if serving and "ratios_pagedserve_over_hf" in serving:
+        ours, hf = serving["servers"]["pagedserve"], serving["servers"]["hf-serve"]
+        for a, b, r in zip(ours, hf, serving["ratios_pagedserve_over_hf"]):
+            out.append((f"serving @ {a['rate']} req/s: output tok/s", f"{a['output_throughput']:.0f}",
+                        f"{b['output_throughput']:.0f}", f"x{r['output_throughput']}"))
+            out.append((f"serving @ {a['rate']} req/s: TTFT p50 / TPOT p50 (ms)",
+                        f"{a['ttft_p50_ms']:.0f} / {a['tpot_p50_ms']:.1f}",
+                        f"{b['ttft_p50_ms']:.0f} / {b['tpot_p50_ms']:.1f}", f"x{r['ttft_p50']} / x{r['tpot_p50']}"))
+    prefix = load("prefix_cache", quick)
+    if prefix:
+        sb, it = prefix["shared_batch"], prefix["isolated_ttft"]
+        on, off = sb["cache_on"], sb["cache_off"]
+        out.append(("prefix cache on/off, shared prompts: output tok/s", f"{on['output_tok_per_s']:.1f}",
+                    f"{off['output_tok_per_s']:.1f}", f"x{sb['throughput_ratio_on_over_off']}"))
+        out.append(("prefix cache on/off, shared prompts: mean TTFT (s), batch", f"{on['ttft_mean_s']:.2f}",
+                    f"{off['ttft_mean_s']:.2f}", f"x{sb['ttft_mean_ratio_on_over_off']}"))
+        out.append(("prefix cache on/off, shared prompts: TTFT p50 (ms), alone", f"{it['cache_on_ms']:.0f}",
+                    f"{it['cache_off_ms']:.0f}", f"x{it['ttft_p50_ratio_on_over_off']}"))
+        for zh in prefix["zero_hit"]:
+            work = zh["cache_work_pct_on"] - zh["cache_work_pct_off"]
+            verdict = "met" if work <= 1 else "not met"
+            out.append((f"prefix cache on/off, 0% hits, {zh['model']}: wall time (s); cache's own work",
+                        f"{zh['cache_on_s']:.2f}; {work:.2f}% of it", f"{zh['cache_off_s']:.2f}",
+                        f"{zh['slowdown_pct']:+}% wall (noise: off runs {zh['spread_off_s'][0]}-"
+                        f"{zh['spread_off_s'][1]} s); cache work {verdict} (<= 1%)"))
+    parallel = load("parallel_sampling", quick)
+    if parallel:
+        for r in parallel["rows"]:
+            out.append((f"parallel sampling n={r['n']}: peak KV pages, shared vs separate",
+                        str(r["shared_peak_blocks"]), str(r["separate_peak_blocks"]), f"{r['saved_pct']}% fewer"))
+    overhead = load("overhead", quick)
+    if overhead:
+        for r in overhead["rows"]:
+            out.append((f"engine overhead, {r['model']}, batch {r['batch']}", f"{r['overhead_pct']}% of "
+                        f"{r['step_ms']:.1f} ms", "goal < 10%", "met" if r["overhead_pct"] < 10 else "not met"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    lines = ["| figure | pagedserve | peer / goal | ratio |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows(args.quick)]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

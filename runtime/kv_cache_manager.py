@@ -91,12 +91,21 @@ class KVCacheManager:
         )
         return num_new_pages, needs_copy
 
+    def has_room_for_next_token(self, seq: Sequence) -> bool:
+        """True when the next token's slot is in a page the sequence already holds alone (the
+        common decode step: nothing to allocate, nothing to copy)."""
+        table = self.block_tables.get(seq.seq_id)
+        write_page = seq.num_computed_tokens // self.block_size
+        return table is not None and write_page < len(table) and table[write_page].ref_count == 1
+
+    def _fits(self, num_new_pages: int, needs_copy: bool, cached: list[Block]) -> bool:
+        num_revived = sum(1 for block in cached if block.ref_count == 0)  # leave the free queue
+        return num_new_pages + int(needs_copy) + num_revived <= self.pool.num_free_blocks
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = ()) -> bool:
         """Whether the pool can hold `num_new_tokens` more tokens of `seq` (after `cached`)."""
         cached = list(cached)
-        num_new_pages, needs_copy = self._blocks_needed(seq, num_new_tokens, cached)
-        num_revived = sum(1 for block in cached if block.ref_count == 0)  # leave the free queue
-        return num_new_pages + int(needs_copy) + num_revived <= self.pool.num_free_blocks
+        return self._fits(*self._blocks_needed(seq, num_new_tokens, cached), cached)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = ()) -> list[tuple[int, int]]:
         """Take the pages for `num_new_tokens` more tokens; returns (src, dst) page copies to run first.
@@ -105,9 +114,9 @@ class KVCacheManager:
         gain a reader and the sequence's computed count jumps past them.
         """
         cached = list(cached)
-        if not self.can_allocate(seq, num_new_tokens, cached):
-            raise BlockPoolError(f"cannot allocate {num_new_tokens} tokens for {seq}")
         num_new_pages, needs_copy = self._blocks_needed(seq, num_new_tokens, cached)
+        if not self._fits(num_new_pages, needs_copy, cached):
+            raise BlockPoolError(f"cannot allocate {num_new_tokens} tokens for {seq}")
         table = self.block_tables.setdefault(seq.seq_id, [])
         self.num_hashed_blocks.setdefault(seq.seq_id, 0)
         if cached:

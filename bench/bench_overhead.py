@@ -19,23 +19,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import (STORIES, log, machine_info, make_prompts, median, pin_threads, quick_mode, random_llama_dir,
+from common import (timed, STORIES, log, machine_info, make_prompts, median, pin_threads, quick_mode, random_llama_dir,
                     wait_for_quiet, write_result)
 
 from runtime import Engine, SamplingParams  # noqa: E402
 
 PROMPT_LEN = 64
-
-
-def timed(fn, box: list[float]):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            box[0] += time.perf_counter() - start
-
-    return wrapper
 
 
 def measure(model_dir, batch: int, decode_steps: int, seed: int) -> dict:

@@ -31,7 +31,7 @@ import random
 import statistics
 import time
 
-from common import (STORIES, log, machine_info, median, percentile, pin_threads, quick_mode, random_llama_dir,
+from common import (timed, STORIES, log, machine_info, median, percentile, pin_threads, quick_mode, random_llama_dir,
                     wait_for_quiet, write_result)
 
 from runtime import Engine, SamplingParams  # noqa: E402
@@ -57,17 +57,6 @@ def shared_workload(num_systems: int, per_system: int, seed: int) -> tuple[list[
 def distinct_workload(num: int, seed: int, length: int = SYSTEM_LEN + SUFFIX_LEN) -> list[list[int]]:
     rng = random.Random(seed)
     return [[1] + token_ids(rng, length - 1) for _ in range(num)]
-
-
-def timed(fn, box: list[float]):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            box[0] += time.perf_counter() - start
-
-    return wrapper
 
 
 class Runner:

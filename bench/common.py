@@ -284,3 +284,15 @@ def save_figure(fig, name: str, quick: bool) -> Path:
     fig.savefig(path, dpi=110)
     log(f"wrote {path.relative_to(REPO)}")
     return path
+
+
+def timed(fn, box: list[float]):
+    """`fn`, adding the seconds each call takes to box[0] (to time a part of a step in place)."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            box[0] += time.perf_counter() - start
+
+    return wrapper

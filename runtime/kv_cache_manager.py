@@ -91,13 +91,6 @@ class KVCacheManager:
         )
         return num_new_pages, needs_copy
 
-    def has_room_for_next_token(self, seq: Sequence) -> bool:
-        """True when the next token's slot is in a page the sequence already holds alone (the
-        common decode step: nothing to allocate, nothing to copy)."""
-        table = self.block_tables.get(seq.seq_id)
-        write_page = seq.num_computed_tokens // self.block_size
-        return table is not None and write_page < len(table) and table[write_page].ref_count == 1
-
     def _fits(self, num_new_pages: int, needs_copy: bool, cached: list[Block]) -> bool:
         num_revived = sum(1 for block in cached if block.ref_count == 0)  # leave the free queue
         return num_new_pages + int(needs_copy) + num_revived <= self.pool.num_free_blocks

@@ -75,10 +75,6 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and self.kv.has_room_for_next_token(seq):  # most decode steps
-                self._add_to_batch(batch, seq, 1, scheduled)
-                budget -= 1
-                continue
             while not self.kv.can_allocate(seq, num_new):
                 victim = self._pick_victim(seq, scheduled)
                 self.preempt(victim)

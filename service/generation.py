@@ -21,7 +21,7 @@ from service.formatting import ResponseFormat, usage_dict
 from service.rate_limit import RateLimitExceeded
 from service.tenants import Tenant
 from service.usage import UsageRecord, cost_pico_usd
-from service.protocol import _SamplingFields
+from service.protocol import SamplingFields
 from service.state import ServiceState
 from service.streams import ChoiceDelta, RequestStream, follow
 
@@ -35,7 +35,7 @@ def new_request_id(prefix: str) -> str:
 class Generation:
     """Prompts -> engine requests -> merged deltas, numbered as OpenAI choices."""
 
-    def __init__(self, state: ServiceState, body: _SamplingFields, prompts: list[list[int]], fmt: ResponseFormat,
+    def __init__(self, state: ServiceState, body: SamplingFields, prompts: list[list[int]], fmt: ResponseFormat,
                  tenant: Tenant) -> None:
         self.state = state
         self.body = body

@@ -35,7 +35,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return self.content or ""
 
 
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by chat and completion requests."""
 
     model: str
@@ -100,7 +100,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
 
-class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only=True):
+class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -122,7 +122,7 @@ class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only
         return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
 
 
-class CompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only=True):
+class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
     max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
     logprobs: int | None = None

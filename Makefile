@@ -8,9 +8,13 @@ MODEL ?= $(shell test -d ../shared/models/stories260K && echo ../shared/models/s
 PROMPT ?= Once upon a time
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run generate test bench clean
+.PHONY: setup system-deps run generate test bench clean
 
-setup: $(STAMP)
+setup: system-deps $(STAMP)
+
+# redis-server and Chromium for the tests: installed with apt-get as root, else one line says what to install
+system-deps:
+	@bash scripts/system-deps.sh
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +29,7 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/pagedserve generate --model $(MODEL) --max-tokens 120 "$(PROMPT)"
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)

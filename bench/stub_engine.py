@@ -2,7 +2,8 @@
 
 Each step gives every running request one token whose text is the time it was made
 (`time.perf_counter_ns() // 1000`, microseconds, then a space), so a client on the same
-machine can tell how long the token took to reach it.
+machine can tell how long the token took to reach it. It answers everything the service's
+`EngineLike` protocol asks (service/bridge.py); it has no pages, so no KV events and no pins.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import time
 
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.request import Request
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.tokenizer import ByteTokenizer
 
@@ -17,21 +19,27 @@ from runtime.tokenizer import ByteTokenizer
 class StubEngine:
     model_name = "stub"
     max_model_len = 1 << 20
+    block_size = 16
 
     def __init__(self) -> None:
         self.tokenizer = ByteTokenizer()
         self.requests: dict[str, list] = {}  # id -> [params, num_prompt, num_emitted, aborted]
-        self.num_steps = 0
 
     def tokenize(self, prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError("too long", param="max_tokens", code="context_length_exceeded")
+    def prepare_request(self, request_id, prompt, params=None, cache_salt=None, shared_prefix_len=0, pin_id=None,
+                        prompt_param="prompt") -> Request:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("too long", param=prompt_param, code="context_length_exceeded")
+        return Request(request_id, None, token_ids, params, None)
 
-    def add_request(self, request_id, prompt, params, cache_salt=None) -> None:
-        self.requests[request_id] = [params, len(prompt), 0, False]
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = [request.params, len(request.prompt_token_ids), 0, False]
 
     def abort_request(self, request_id: str) -> bool:
         entry = self.requests.get(request_id)
@@ -43,15 +51,17 @@ class StubEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
     def step(self) -> list[RequestOutput]:
-        self.num_steps += 1
         outputs = []
         stamp = f"{time.perf_counter_ns() // 1000} "
         for request_id, entry in list(self.requests.items()):
             params, num_prompt, num_emitted, aborted = entry
-            if aborted:
+            if aborted or params.max_tokens == 0:
                 del self.requests[request_id]
-                completion = CompletionOutput(0, "", [], finish_reason="abort")
+                completion = CompletionOutput(0, "", [], finish_reason="abort" if aborted else "length")
                 outputs.append(RequestOutput(request_id, None, [0] * num_prompt, [completion], 0, True))
                 continue
             entry[2] = num_emitted = num_emitted + 1
@@ -67,4 +77,20 @@ class StubEngine:
         running = len(self.requests)
         return {"block_size": 16, "num_blocks": 1, "num_free_blocks": 1, "num_used_blocks": 0, "num_cached_blocks": 0,
                 "num_kv_tokens": 0, "num_running": running, "num_waiting": 0, "num_preemptions": 0,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_pinned_blocks": 0}
+
+    def record_kv_events(self) -> None:
+        """No pages, so never any events."""
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def pin_prefix(self, pin_id, prompt, cache_salt=None, shared_prefix_len=0) -> str:
+        raise InvalidRequestError("the stub engine has no pages to pin", param="text", code="pin_budget_exceeded")
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        return False
+
+    def page_map(self) -> dict:
+        return {"block_size": 16, "num_blocks": 0, "ref_count": [], "cached": [], "owner": [], "sequences": [],
+                "pinned": {}, "num_waiting": 0, "contiguous_max_len_tokens": 0, "stats": self.stats()}

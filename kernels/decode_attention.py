@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import paged_decode_attention as reference_paged_decode_attention  # the oracle
 from kernels.triton_checks import LOG2E, NO_WINDOW, check, check_attention_inputs, dot_operands
 
 DEFAULT_PARTITION_SIZE = 512
@@ -251,4 +250,4 @@ def paged_decode_attention(
     return out
 
 
-__all__ = ["paged_decode_attention", "reference_paged_decode_attention"]
+__all__ = ["paged_decode_attention"]

@@ -6,6 +6,9 @@ the newest ones) and emit the difference only once it no longer ends in U+FFFD. 
 window rather than single tokens keeps tokenizers' spacing rules (a leading "▁" becomes a
 space only after other text) right.
 
+Each output token's share of the text is kept too (`take_token_texts`), so logprob tokens
+spell the text exactly.
+
 Stop strings: the text that could still be the start of a stop string is held back from
 `new_text` until it is known not to be; a found stop string ends the sequence and is cut
 from the text (unless include_stop_str_in_output).
@@ -44,16 +47,28 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.context_ids)
         self.text = ""
         self.num_emitted_chars = 0
+        self.token_ends: list[int] = []  # per output token: len(text) once it was added (clamped on reading)
+        self.num_released_tokens = 0
 
     def copy(self) -> IncrementalDetokenizer:
         """An independent detokenizer at the same point (for a forked sample)."""
         twin = object.__new__(IncrementalDetokenizer)
         twin.__dict__.update(self.__dict__)
         twin.context_ids = list(self.context_ids)
+        twin.token_ends = list(self.token_ends)
         return twin
 
     def append(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed, if any."""
+        stop = self._append(token_id)
+        self.token_ends.append(len(self.text))
+        return stop
+
+    def append_silent(self) -> None:
+        """An output token that adds no text (a stop token id, EOS): it still gets its (empty) place."""
+        self.token_ends.append(len(self.text))
+
+    def _append(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         self.context_ids.append(token_id)
@@ -92,9 +107,10 @@ class IncrementalDetokenizer:
         before = self._decode(self.context_ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.context_ids[self.prefix_offset :])
         self.read_offset = len(self.context_ids)
-        if len(after) > len(before):
-            return self._append_text(after[len(before) :])
-        return None
+        stop = self._append_text(after[len(before) :]) if len(after) > len(before) else None
+        if self.token_ends:
+            self.token_ends[-1] = len(self.text)  # the held bytes end with the last token
+        return stop
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet handed out; while running, the tail that may begin a stop string waits."""
@@ -102,6 +118,25 @@ class IncrementalDetokenizer:
         new_text = self.text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
         return new_text
+
+    def take_token_texts(self, finished: bool) -> list[str]:
+        """The text of each output token whose text is now all handed out, in order, once each.
+
+        A token's text is what it added to `text` (a split character belongs to the token that
+        completes it; a stop string's cut shortens the last ones), so the texts of all tokens,
+        joined, are `text`. Call after take_new_text.
+        """
+        ends, num_chars = self.token_ends, len(self.text)
+        texts = []
+        while self.num_released_tokens < len(ends):
+            i = self.num_released_tokens
+            end = min(ends[i], num_chars)
+            if not finished and end > self.num_emitted_chars:
+                break
+            start = min(ends[i - 1], num_chars) if i else 0
+            texts.append(self.text[start:end])
+            self.num_released_tokens += 1
+        return texts
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -24,8 +24,8 @@ from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import load_model
 from runtime.model_runner import ModelRunner
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.request import Request, Sequence
+from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from runtime.request import Request, Sequence, SequenceStatus
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
@@ -64,6 +64,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._finished_early: list[Request] = []  # max_tokens=0: finished at add, reported by the next step
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
         self._ids = itertools.count()
         log.info(
@@ -95,21 +96,70 @@ class Engine:
         net = load_model(config, model_dir, device, dtype, show_progress=show_progress)
         return cls(net, HFTokenizer(model_dir), settings, model_dir.name)
 
-    # --- requests -----------------------------------------------------------------------
+    # --- requests: validated once (prepare_request), then queued (add) --------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Prompt token ids (BOS added as the tokenizer says); token-id prompts pass through, checked."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in token_ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.model_config.vocab_size})", param="prompt"
-                )
+        """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through.
+
+        Encoding only; `prepare_request` checks the ids.
+        """
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | bytes | None = None,
+        shared_prefix_len: int = 0,
+        pin_id: str | None = None,
+        prompt_param: str = "prompt",
+    ) -> Request:
+        """Validate a request once and build it; `add` then queues it without checking again.
+
+        Reads only what never changes after start (tokenizer, vocabulary, context and pool
+        sizes), so the service calls it on its event loop and gets the error before anything
+        is queued. Raises InvalidRequestError: an empty prompt or token ids outside the
+        vocabulary (param `prompt_param`), or prompt + max_tokens past the context or the
+        page pool (code "context_length_exceeded", param `prompt_param`).
+
+        `cache_salt` separates prefix-cache chains (a tenant's). The first
+        `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
+        are cached without the salt (whole blocks only).
+        """
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        return token_ids
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param=prompt_param)
+        self.check_fits(len(token_ids), params, prompt_param)
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
+                       num_shared_blocks=min(shared_prefix_len, len(token_ids)) // self.block_size, pin_id=pin_id)
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `prepare_request`; it joins the batch at the next step with room.
+
+        Raises InvalidRequestError (param "request_id") if the id is in use.
+        """
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        params = request.params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+        seq = Sequence(request, 0, list(request.prompt_token_ids), detokenizer)
+        request.sequences.append(seq)
+        self.requests[request.request_id] = request
+        if params.max_tokens == 0:  # nothing to generate: done before it runs, reported by the next step
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            request.num_cached_tokens = 0
+            self._finished_early.append(request)
+            return
+        self.scheduler.add(seq)
 
     def add_request(
         self,
@@ -118,53 +168,33 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | bytes | None = None,
         shared_prefix_len: int = 0,
-        pin_id: str | None = None,
     ) -> None:
-        """Queue a request; it joins the batch at the next step that has room.
+        """`add(prepare_request(...))`: validate and queue, for callers that drive the engine directly."""
+        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len))
 
-        `cache_salt` separates prefix-cache chains (a tenant's). The first
-        `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
-        are cached without the salt (whole blocks only).
-        """
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        token_ids = self.tokenize(prompt)
-        self.check_fits(len(token_ids), params)
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
-        num_shared_blocks = min(shared_prefix_len, len(token_ids)) // self.block_size
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
-                          num_shared_blocks=num_shared_blocks, pin_id=pin_id)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        seq = Sequence(request, 0, list(token_ids), detokenizer)
-        request.sequences.append(seq)
-        self.requests[request_id] = request
-        self.scheduler.add(seq)
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request needs {total} "
                 f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)",
-                param="max_tokens",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         pages = -(-total // self.block_size)
         if pages > self.num_schedulable_blocks:
             raise InvalidRequestError(
-                f"the request needs {pages} KV pages but at most {self.num_schedulable_blocks} are free for one request",
-                param="max_tokens",
+                f"the request needs {pages} KV pages ({total} tokens) but at most {self.num_schedulable_blocks} "
+                "are free for one request",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
         request = self.requests.get(request_id)
-        if request is None or request in self._aborted:
+        if request is None or request in self._aborted or request in self._finished_early:
             return False
         request.aborted = True
         for seq in request.sequences:
@@ -176,6 +206,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of every request not yet reported finished (pin prefills included)."""
+        return list(self.requests)
+
     # --- pinned prefixes and KV events ----------------------------------------------------
 
     def pin_prefix(self, pin_id: str, prompt: str | list[int], cache_salt: str | bytes | None = None,
@@ -186,8 +220,9 @@ class Engine:
         Raises InvalidRequestError (code "pin_budget_exceeded") if pinned and pending pages
         would exceed the pin budget (settings.pinned_block_budget, at most a quarter of the pool).
         """
-        token_ids = self.tokenize(prompt)
-        num_pages = len(token_ids) // self.block_size
+        request = self.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt, SamplingParams(max_tokens=1, temperature=0),
+                                       cache_salt, shared_prefix_len, pin_id, prompt_param="text")
+        num_pages = len(request.prompt_token_ids) // self.block_size
         held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
         held += sum(pages for pid, (_, pages) in self._pending_pins.items() if pid != pin_id)
         if held + num_pages > self.pinned_block_budget:
@@ -196,11 +231,9 @@ class Engine:
                 param="text", code="pin_budget_exceeded",
             )
         self.unpin_prefix(pin_id)
-        request_id = f"pin:{pin_id}:{next(self._ids)}"
-        params = SamplingParams(max_tokens=1, temperature=0)
-        self.add_request(request_id, token_ids, params, cache_salt, shared_prefix_len, pin_id)
-        self._pending_pins[pin_id] = (request_id, num_pages)
-        return request_id
+        self.add(request)
+        self._pending_pins[pin_id] = (request.request_id, num_pages)
+        return request.request_id
 
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pinned prefix's pages back to the cache (evictable again); stops a pending prefill."""
@@ -230,7 +263,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request that got new tokens or finished."""
-        outputs = [self._make_output(request) for request in self._take_aborted()]
+        outputs = [self._make_output(request) for request in self._take_ended()]
         batch = self.scheduler.schedule()
         if not batch.is_empty:
             logits = self.runner.execute(batch, self.kv)  # [num_sampling, vocab]
@@ -244,9 +277,10 @@ class Engine:
             self.kv.check_invariants()  # idle: every page must be accounted for
         return outputs
 
-    def _take_aborted(self) -> list[Request]:
-        aborted, self._aborted = self._aborted, []
-        return aborted
+    def _take_ended(self) -> list[Request]:
+        """Requests that ended outside a step (aborted, or nothing to generate), to report now."""
+        ended, self._aborted, self._finished_early = self._aborted + self._finished_early, [], []
+        return ended
 
     def _append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
@@ -264,8 +298,10 @@ class Engine:
         reason, stop_reason = None, None
         if token_id in params.stop_token_ids:
             reason, stop_reason = "stop", token_id
+            seq.detokenizer.append_silent()
         elif token_id in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
+            seq.detokenizer.append_silent()
         else:
             stop_string = seq.detokenizer.append(token_id)
             if stop_string is not None:
@@ -282,21 +318,31 @@ class Engine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
+        wants_logprobs = request.params.logprobs is not None
         for seq in request.sequences:
             output_ids = seq.output_token_ids
             new_ids = output_ids[seq.num_emitted_tokens :]
             seq.num_emitted_tokens = len(output_ids)
+            detokenizer = seq.detokenizer
+            new_text = detokenizer.take_new_text(seq.is_finished)
+            new_logprobs = None
+            if wants_logprobs:
+                first = detokenizer.num_released_tokens
+                texts = detokenizer.take_token_texts(seq.is_finished)
+                new_logprobs = [TokenLogprob(output_ids[i], text, seq.logprobs[i])
+                                for i, text in enumerate(texts, start=first)]
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.detokenizer.text,
+                    text=detokenizer.text,
                     token_ids=output_ids,
-                    new_text=seq.detokenizer.take_new_text(seq.is_finished),
+                    new_text=new_text,
                     new_token_ids=new_ids,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                    cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if wants_logprobs else None,
+                    new_logprobs=new_logprobs,
+                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
                 )
             )
         finished = request.finished
@@ -344,7 +390,7 @@ class Engine:
     # --- introspection ------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Page and queue counters (names as in DESIGN.md)."""
+        """Page and queue counters (the names the metrics and the dashboard use)."""
         pool = self.kv.pool
         return {
             "block_size": self.block_size,

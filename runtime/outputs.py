@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One output token with its text (its exact share of the output text) and its logprobs."""
+
+    token_id: int
+    text: str
+    logprobs: dict[int, float]  # the chosen token first, then the top-k
+
+
+@dataclass
 class CompletionOutput:
     """One sample of a request so far."""
 
@@ -17,6 +26,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: chosen token first, then top-k
+    new_logprobs: list[TokenLogprob] | None = None  # tokens whose text was released this step, with logprobs
     cumulative_logprob: float | None = None
 
     @property

@@ -11,7 +11,6 @@ into n, the forks sharing the prompt's pages.
 from __future__ import annotations
 
 import enum
-import time
 
 import torch
 
@@ -35,7 +34,6 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: bytes | None,
-        arrival_time: float | None = None,
         num_shared_blocks: int = 0,
         pin_id: str | None = None,
     ) -> None:
@@ -46,10 +44,9 @@ class Request:
         self.cache_salt = cache_salt
         self.num_shared_blocks = num_shared_blocks  # leading blocks hashed without the salt (shared prefix)
         self.pin_id = pin_id  # set for a pinned-prefix prefill: its full pages stay held when it ends
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
         self.sequences: list[Sequence] = []
-        self.forked = params.n == 1
+        self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then
         self.aborted = False
 
     @property

@@ -39,7 +39,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-        drop_sorted = mass_before >= top_p  # the best token always stays
+        drop_sorted = mass_before >= top_p
+        drop_sorted[0] = False  # the best token always stays (top_p=0 keeps only it)
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     if min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)

@@ -24,9 +24,9 @@ class SamplingParams:
     """How to pick tokens and when to stop, for one request (all its `n` samples)."""
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: nothing is generated; the request ends at once with finish_reason "length"
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0 keeps only the most probable token (as OpenAI's API accepts it)
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
@@ -53,12 +53,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            bad("top_p", f"must be in [0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -37,10 +37,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     """Owns the waiting queue and the running list; moves sequences between them."""
@@ -94,7 +90,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             request = seq.request
-            num_seqs_after = len(self.running) + (1 if request.forked else request.params.n)
+            num_seqs_after = len(self.running) + (request.params.n if request.fork_pending else 1)
             if num_seqs_after > self.max_num_seqs and self.running:
                 break
             cached = self.kv.find_cached_prefix(seq)
@@ -151,7 +147,7 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             to_sample.append((seq, row))
-            if not seq.request.forked:
+            if seq.request.fork_pending:
                 to_sample += [(child, row) for child in self._fork(seq)]
             row += 1
         return to_sample
@@ -165,7 +161,7 @@ class Scheduler:
             request.sequences.append(child)
             self.running.append(child)
             children.append(child)
-        request.forked = True
+        request.fork_pending = False
         return children
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -13,25 +13,26 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from config import Settings
-from service.accounts_api import create_pin, delete_pin, list_pins, prefix_index_lookup, usage
-from service.bridge import EngineBridge
-from service.dashboard import dashboard_events, dashboard_page
-from service.journal import UsageJournal
-from service.ledger import RedisLedger, SQLiteLedger
+from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
+from service.bridge import EngineBridge, EngineLike
+from service.api import dashboard
+from service.billing.journal import UsageJournal
+from service.billing.ledger import RedisLedger, SQLiteLedger
+from service.pins import RedisPinRegistry, SQLitePinRegistry
 from service.prefix_index import MemoryPrefixIndex, RedisPrefixIndex
 from service.rate_limit import LocalRateLimiter, RedisRateLimiter
 from service.redis_pool import create_redis
 from service.tenants import TenantDirectory
 from service.errors import error_middleware
 from service.metrics import ServiceMetrics
-from service.openai_api import chat_completions, completions, list_models
+from service.api.completions import chat_completions, completions, list_models
 from service.state import STATE, ServiceState
-from service.websocket import websocket_stream
+from service.api.websocket import websocket_stream
 
 log = structlog.get_logger(__name__)
 
 
-def load_engine(settings: Settings):
+def load_engine(settings: Settings) -> EngineLike:
     """Build the runtime Engine that the settings name (runs in a worker thread)."""
     from runtime import Engine
 
@@ -56,7 +57,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_stores(settings: Settings):
-    """(ledger, rate limiter, prefix index, redis client or None): Redis-backed when redis_url is set."""
+    """(ledger, pins, rate limiter, prefix index, redis client or None): Redis-backed when redis_url is set."""
     server = settings.server
     redis_url = server.redis_url or os.environ.get("REDIS_URL")
     if redis_url:
@@ -64,10 +65,11 @@ def build_stores(settings: Settings):
             log.warning("redis_url is set but server.cache_salt_secret is not: each replica salts with its own "
                         "random secret, so the cluster prefix index cannot match across replicas or restarts")
         client = create_redis(redis_url)
-        return RedisLedger(client), RedisRateLimiter(client), RedisPrefixIndex(client), client
+        return RedisLedger(client), RedisPinRegistry(client), RedisRateLimiter(client), RedisPrefixIndex(client), client
     data_dir = Path(server.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    return SQLiteLedger(data_dir / "ledger.sqlite3"), LocalRateLimiter(), MemoryPrefixIndex(), None
+    return (SQLiteLedger(data_dir / "ledger.sqlite3"), SQLitePinRegistry(data_dir / "pins.sqlite3"), LocalRateLimiter(),
+            MemoryPrefixIndex(), None)
 
 
 def build_tenants(settings: Settings) -> TenantDirectory:
@@ -105,11 +107,9 @@ async def _publish_kv_events(state: ServiceState, pending: dict[bytes, bool], pe
 
 
 async def _restore_pins(state: ServiceState) -> None:
-    """Re-pin the registered prefixes (they live in the ledger store, so they survive restarts)."""
-    from service.accounts_api import pin_prefix
-
+    """Re-pin the registered prefixes (the pin registry survives restarts; the engine's pages do not)."""
     try:
-        pins = await state.ledger.list_pins()
+        pins = await state.pins.list()
     except (OSError, RedisError) as exc:
         log.warning("pinned prefixes not restored: the store is unreachable", error=str(exc))
         return
@@ -121,21 +121,21 @@ async def _restore_pins(state: ServiceState) -> None:
             log.warning("pinned prefix not restored", tenant=pin.tenant, pin_id=pin.pin_id, error=str(exc))
 
 
-def create_app(settings: Settings, engine_factory: Callable[[Settings], object] = load_engine) -> web.Application:
+def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLike] = load_engine) -> web.Application:
     """The service app. The engine is built at start-up (in a thread) and stopped at cleanup."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
 
     async def lifetime(app: web.Application):
         tenants = build_tenants(settings)
-        ledger, limiter, prefix_index, redis_client = build_stores(settings)
+        ledger, pins, limiter, prefix_index, redis_client = build_stores(settings)
         journal = UsageJournal(Path(settings.server.data_dir) / "usage.journal", ledger)
         await journal.start()
         engine = await asyncio.to_thread(engine_factory, settings)
         bridge = EngineBridge(engine, asyncio.get_running_loop(), kv_events=True)
-        model_name = settings.server.served_model_name or getattr(engine, "model_name", Path(settings.server.model).name)
+        model_name = settings.server.served_model_name or engine.model_name
         replica_id = settings.server.replica_id or f"{socket.gethostname()}:{settings.server.port}"
         state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats), model_name, tenants,
-                             ledger, journal, limiter, prefix_index, replica_id)
+                             ledger, journal, pins, limiter, prefix_index, replica_id)
         app[STATE] = state
         pending_events: dict[bytes, bool] = {}
 
@@ -147,8 +147,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], object] 
         bridge.start()
         publisher = asyncio.create_task(_publish_kv_events(state, pending_events))
         await _restore_pins(state)
-        template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
-        if template is not None and template.is_fallback:
+        if engine.tokenizer.chat_template.is_fallback:
             log.warning("the model has no chat template: chat uses 'role: content' lines, then 'assistant:'")
         log.info("serving", model=model_name, replica=replica_id, redis=redis_client is not None)
         yield
@@ -157,6 +156,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], object] 
         await asyncio.gather(publisher, *state.background, return_exceptions=True)
         await journal.stop()
         await ledger.close()
+        await pins.close()
         await prefix_index.close()
         if redis_client is not None:
             await redis_client.aclose()
@@ -174,8 +174,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], object] 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/dashboard", dashboard_page)
-    app.router.add_get("/dashboard/events", dashboard_events)
+    dashboard.add_routes(app)
     return app
 
 

@@ -22,8 +22,10 @@ from typing import Protocol
 
 import structlog
 
+from runtime.chat_template import ChatTemplate
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -33,28 +35,50 @@ MAX_UNDELIVERED_STEPS = 2  # the engine thread waits when the loop is this many 
 STATS_PERIOD_S = 0.05  # engine stats ride along with a step's outputs at most this often (and when idle)
 
 
-class EngineLike(Protocol):
-    """What the bridge needs from an engine (runtime.Engine, or a stub in benchmarks).
+class Tokenizer(Protocol):
+    """What the service asks of the model's tokenizer (runtime.tokenizer)."""
 
-    Optional, used when present: record_kv_events / take_kv_events (prefix index),
-    pin_prefix / unpin_prefix (pins), page_map (dashboard), requests (abort all on failure).
+    chat_template: ChatTemplate
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+class EngineLike(Protocol):
+    """What the service needs from an engine: runtime.Engine, or bench/stub_engine.py's StubEngine.
+
+    The loop may call only the read-only part (model_name, tokenizer, max_model_len,
+    block_size, tokenize, prepare_request); everything else runs on the engine thread.
     """
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: bytes | None = None,
-                    shared_prefix_len: int = 0) -> None: ...
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    block_size: int
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
+                        prompt_param: str = "prompt") -> Request: ...
+    def add(self, request: Request) -> None: ...
     def abort_request(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
+    def unfinished_request_ids(self) -> list[str]: ...
     def stats(self) -> dict: ...
+    def record_kv_events(self) -> None: ...
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]: ...
+    def pin_prefix(self, pin_id: str, prompt: str | list[int], cache_salt: str | bytes | None = None,
+                   shared_prefix_len: int = 0) -> str: ...
+    def unpin_prefix(self, pin_id: str) -> bool: ...
+    def page_map(self) -> dict: ...
 
 
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: bytes | None
-    shared_prefix_len: int = 0
+    request: Request  # validated by engine.prepare_request on the loop
 
 
 @dataclass
@@ -94,7 +118,6 @@ class EngineBridge:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, RequestStream] = {}  # loop side: live streams by request id
         self.stats: dict = engine.stats()  # latest snapshot, replaced once per step
-        self.num_steps = 0
         self.healthy = True
         self._stats_at = 0.0  # engine thread: when stats were last taken
         self._pin_futures: dict[str, asyncio.Future] = {}  # engine thread: pin prefill id -> loop future
@@ -102,8 +125,8 @@ class EngineBridge:
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
         self.on_kv_events = None  # loop-side callback(stored, removed) when kv_events is on
-        self.kv_events = kv_events and hasattr(engine, "record_kv_events")
-        if self.kv_events:
+        self.kv_events = kv_events
+        if kv_events:
             engine.record_kv_events()
 
     # --- loop side ----------------------------------------------------------------------
@@ -111,13 +134,10 @@ class EngineBridge:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: bytes | None = None, shared_prefix_len: int = 0) -> None:
-        """Register the stream and send its request to the engine (returns at once)."""
-        if stream.request_id in self.streams:
-            raise InvalidRequestError(f"request id {stream.request_id!r} is already in use", param="id")
+    def submit(self, stream: RequestStream, request: Request) -> None:
+        """Register the stream and send its request (from engine.prepare_request) to the engine; returns at once."""
         self.streams[stream.request_id] = stream
-        self.inbox.put(_Add(stream, prompt_token_ids, params, cache_salt, shared_prefix_len))
+        self.inbox.put(_Add(stream, request))
 
     async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
                   shared_prefix_len: int = 0) -> None:
@@ -215,7 +235,6 @@ class EngineBridge:
         try:
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self.num_steps += 1
         except Exception as exc:  # an engine bug must not hang every client
             log.exception("engine step failed")
             failed.update(self._abort_all(exc))
@@ -254,13 +273,10 @@ class EngineBridge:
             if command is _STOP:
                 return False
             if isinstance(command, _Add):
-                request_id = command.stream.request_id
                 try:
-                    extra = {"shared_prefix_len": command.shared_prefix_len} if command.shared_prefix_len else {}
-                    self.engine.add_request(request_id, command.prompt_token_ids, command.params, command.cache_salt,
-                                            **extra)
+                    self.engine.add(command.request)
                 except Exception as exc:
-                    failed[request_id] = exc
+                    failed[command.stream.request_id] = exc
             elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
             else:
@@ -288,7 +304,7 @@ class EngineBridge:
 
     def _abort_all(self, error: Exception) -> dict[str, Exception]:
         failed = {}
-        for request_id in list(getattr(self.engine, "requests", {})):
+        for request_id in self.engine.unfinished_request_ids():
             try:
                 self.engine.abort_request(request_id)
             except Exception:

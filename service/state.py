@@ -1,4 +1,4 @@
-"""What every handler shares: settings, the engine (read-only from the loop), the bridge, metrics."""
+"""What every handler shares: settings, the engine (read-only from the loop), the bridge, the stores, metrics."""
 
 from __future__ import annotations
 
@@ -9,29 +9,33 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from config import Settings
-from service.bridge import EngineBridge
+from service.billing.journal import UsageJournal
+from service.billing.ledger import Ledger
+from service.bridge import EngineBridge, EngineLike, Tokenizer
 from service.errors import APIError
-from service.journal import UsageJournal
 from service.metrics import ServiceMetrics
+from service.pins import PinRegistry
+from service.prefix_index import PrefixIndex
+from service.rate_limit import RateLimiter
 from service.tenants import Tenant, TenantDirectory
 
 
 @dataclass
 class ServiceState:
     settings: Settings
-    engine: object  # runtime.Engine or a stand-in: tokenizer, tokenize, check_fits, max_model_len
+    engine: EngineLike  # the loop calls only its read-only part (see EngineLike)
     bridge: EngineBridge
     metrics: ServiceMetrics
     model_name: str
     tenants: TenantDirectory
-    ledger: object  # service.ledger: SQLiteLedger or RedisLedger
+    ledger: Ledger
     journal: UsageJournal
-    limiter: object  # service.rate_limit: LocalRateLimiter or RedisRateLimiter
-    prefix_index: object  # service.prefix_index: MemoryPrefixIndex or RedisPrefixIndex
+    pins: PinRegistry
+    limiter: RateLimiter
+    prefix_index: PrefixIndex
     replica_id: str
     draining: bool = False
     num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
-    page_map_feed: object | None = None  # service.dashboard.PageMapFeed, made for the first viewer
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
 
@@ -49,7 +53,7 @@ class ServiceState:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from runtime.outputs import RequestOutput
+from runtime.outputs import RequestOutput, TokenLogprob
 
 
 class ChoiceDelta:
@@ -20,7 +20,7 @@ class ChoiceDelta:
         self.index = index
         self.text = ""
         self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[TokenLogprob] = []  # tokens whose text is in `text` so far, with logprobs
         self.finish_reason: str | None = None
 
 
@@ -51,15 +51,15 @@ class RequestStream:
         for completion in output.outputs:
             index = completion.index
             new_ids = completion.new_token_ids
-            if not (new_ids or completion.new_text or completion.finish_reason):
+            if not (new_ids or completion.new_text or completion.finish_reason or completion.new_logprobs):
                 continue
             delta = self._pending.get(index)
             if delta is None:
                 delta = self._pending[index] = ChoiceDelta(index)
             delta.text += completion.new_text
             delta.token_ids += new_ids
-            if completion.logprobs is not None and new_ids:
-                delta.logprobs += completion.logprobs[-len(new_ids):]
+            if completion.new_logprobs:
+                delta.logprobs += completion.new_logprobs
             if completion.finish_reason is not None:
                 delta.finish_reason = completion.finish_reason
                 self.finish_reasons[index] = completion.finish_reason

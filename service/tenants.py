@@ -36,7 +36,7 @@ import msgspec
 from config import ConfigError
 from service.errors import APIError
 from service.rate_limit import Limits
-from service.usage import PricePlan
+from service.billing.usage import PricePlan
 
 DEFAULT_TENANT = "default"
 

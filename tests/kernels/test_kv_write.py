@@ -5,7 +5,6 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
 from kernels.kv_write import write_kv as triton_write_kv  # noqa: E402
 from kernels.reference import write_kv as reference_write_kv  # noqa: E402
 from tests.kernels.helpers import triton_devices  # noqa: E402
@@ -59,18 +58,6 @@ def test_write_kv_casts_to_the_cache_dtype_like_the_reference(device, seed):
     tol = 0 if device == "cuda" else 2**-7
     torch.testing.assert_close(k_cache, expected_k, rtol=tol, atol=0)
     torch.testing.assert_close(v_cache, expected_v, rtol=tol, atol=0)
-
-
-@pytest.mark.parametrize("device", triton_devices())
-def test_write_kv_skips_negative_slots(device, seed):
-    key, value, k_cache, v_cache, slots = kv_problem(6, 2, 16, 8, 2, torch.float32, seed, device)
-    slots[[1, 4]] = -1  # padding tokens
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    keep = slots >= 0
-    reference_write_kv(key[keep], value[keep], expected_k, expected_v, slots[keep])
-    kernels.write_kv(key, value, k_cache, v_cache, slots, backend="triton")
-    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0)
-    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
 
 
 def test_write_kv_launcher_rejects_bad_inputs_with_clear_errors():

@@ -49,7 +49,7 @@ def test_abort_frees_pages_at_once_and_reports_abort(engine):
 def test_context_length_exceeded_is_a_typed_error(engine):
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request("long", [1] * 500, SamplingParams(max_tokens=20))
-    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
 
 
 def test_request_larger_than_the_cache_is_refused(stories_dir):
@@ -69,7 +69,7 @@ def test_bad_prompts_name_the_param(engine, prompt, param):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("top_k", -2), ("logprobs", 50),
+    [("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("max_tokens", -1), ("n", 0), ("top_k", -2), ("logprobs", 50),
      ("presence_penalty", 3.0), ("stop", [""])],
 )
 def test_bad_sampling_params_name_the_param(field, value):
@@ -123,3 +123,20 @@ def test_chat_template_from_tokenizer_config_is_used(tmp_path, stories_dir):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert ids[0] == 1 and ids.count(1) == 1  # one BOS, from the template
     assert tokenizer.decode(ids) == "[user] Hi\n[bot]"
+
+
+def test_max_tokens_zero_ends_at_once_with_length_and_no_tokens(engine):
+    engine.add_request("zero", [1, 5, 6, 7], SamplingParams(max_tokens=0))
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outputs] == [
+        ("zero", True, "length", [])]
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+
+
+def test_top_p_zero_keeps_only_the_most_probable_token(engine):
+    prompt = [1, 403, 407, 261]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    top_p0 = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, top_p=0.0, seed=5,
+                                                      ignore_eos=True))[0]
+    assert top_p0.outputs[0].token_ids == greedy.outputs[0].token_ids

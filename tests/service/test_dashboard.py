@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from service.dashboard import COUNTERS, _feed
+from service.api.dashboard import COUNTERS, PAGE_MAP_FEED
 from tests.service.conftest import run_server, stories_settings
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -187,16 +187,16 @@ def test_viewers_share_one_poller_that_stops_when_they_leave(server):
     try:
         viewers = [Events(requests.get(server.url + "/dashboard/events", stream=True, timeout=10)) for _ in range(4)]
         assert [viewer.take(1)[0][0] for viewer in viewers] == ["data"] * 4
-        assert _feed(server.app).num_viewers == 4
+        assert server.app[PAGE_MAP_FEED].num_viewers == 4
         calls.clear()
         time.sleep(1.0)
         assert 2 <= len(calls) <= 6  # one snapshot per 0.25 s tick, not one per viewer
         for viewer in viewers:
             viewer.response.close()
         deadline = time.monotonic() + 5
-        while _feed(server.app).num_viewers and time.monotonic() < deadline:
+        while server.app[PAGE_MAP_FEED].num_viewers and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _feed(server.app).num_viewers == 0
+        assert server.app[PAGE_MAP_FEED].num_viewers == 0
         time.sleep(0.3)
         calls.clear()
         time.sleep(0.6)

@@ -8,10 +8,10 @@ import pytest
 import redis.exceptions
 from structlog.testing import capture_logs
 
-from service.journal import UsageJournal
-from service.ledger import RedisLedger, SQLiteLedger
+from service.billing.journal import UsageJournal
+from service.billing.ledger import RedisLedger, SQLiteLedger
 from service.redis_pool import create_redis
-from service.usage import UsageRecord, UsageTotals
+from service.billing.usage import UsageRecord, UsageTotals
 from tests.service.redis_fixture import own_redis_server  # noqa: F401
 
 FAST = dict(flush_interval_s=0.01, retry_backoff_s=0.005, max_backoff_s=0.05)

@@ -1,10 +1,10 @@
-"""service/journal_file.py: offsets, checkpoints and the compaction crash window."""
+"""service/billing/journal_file.py: offsets, checkpoints and the compaction crash window."""
 
 import msgspec
 import pytest
 
-from service.journal_file import JournalEntry, JournalFile, encode
-from service.usage import UsageRecord
+from service.billing.journal_file import JournalEntry, JournalFile, encode
+from service.billing.usage import UsageRecord
 
 
 def line(i: int) -> bytes:

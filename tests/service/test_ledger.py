@@ -1,4 +1,4 @@
-"""service/ledger.py on SQLite and on a real redis-server: exact sums, each request id once, pins."""
+"""service/billing/ledger.py on SQLite and on a real redis-server: exact sums, each request id once."""
 
 import asyncio
 import tempfile
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.ledger import Pin, RedisLedger, SQLiteLedger
+from service.billing.ledger import RedisLedger, SQLiteLedger
 from service.redis_pool import create_redis
-from service.usage import PricePlan, UsageRecord, UsageTotals, cost_pico_usd, format_usd
+from service.billing.usage import PricePlan, UsageRecord, UsageTotals, cost_pico_usd, format_usd
 from tests.service.redis_fixture import redis_server, redis_url  # noqa: F401
 
 HOUR = 3600
@@ -196,49 +196,16 @@ def test_totals_equal_the_sum_of_distinct_records_on_both_backends(redis_server,
         assert ranged.cost_pico_usd == sum(cost_pico_usd(r, plan) for r in mine if since <= r.finished_at < until)
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_pins_upsert_remove_and_list_in_order(kind, tmp_path, redis_url):
-    async def main():
-        async with open_ledger(kind, tmp_path, redis_url) as ledger:
-            await ledger.add_pin("globex", "sys", "You are Globex's assistant.")
-            await ledger.add_pin("acme", "sys", "You are a helpful assistant.")
-            await ledger.add_pin("acme", "faq", "Q: what is acme?")
-            await ledger.add_pin("acme", "sys", "You are Acme's assistant.")
-            removed = await ledger.remove_pin("globex", "sys"), await ledger.remove_pin("globex", "sys")
-            return removed, await ledger.list_pins()
-
-    removed, pins = asyncio.run(main())
-    assert removed == (True, False)
-    assert [(p.tenant, p.pin_id, p.text) for p in pins] == [
-        ("acme", "faq", "Q: what is acme?"), ("acme", "sys", "You are Acme's assistant.")]
-    assert all(isinstance(p, Pin) and p.created_at > 1.7e9 for p in pins)
-
-
-def test_sqlite_pins_survive_a_restart(tmp_path):
-    async def main():
-        ledger = SQLiteLedger(tmp_path / "ledger.db")
-        await ledger.add_pin("acme", "sys", "hello")
-        await ledger.close()
-        ledger = SQLiteLedger(tmp_path / "ledger.db")
-        pins = await ledger.list_pins()
-        await ledger.close()
-        return pins
-
-    assert [(p.tenant, p.pin_id, p.text) for p in asyncio.run(main())] == [("acme", "sys", "hello")]
-
-
-def test_redis_pins_and_totals_survive_a_server_restart(redis_server, redis_url):  # noqa: F811
+def test_redis_totals_survive_a_server_restart(redis_server, redis_url):  # noqa: F811
     async def write():
         async with open_ledger("redis", Path(), redis_url) as ledger:
-            await ledger.add_pin("acme", "sys", "hello")
             await ledger.record(usage("r1"), 42)
 
     async def read():
         async with open_ledger("redis", Path(), redis_url) as ledger:
-            return await ledger.list_pins(), await ledger.totals("acme"), await ledger.record(usage("r1"), 42)
+            return await ledger.totals("acme"), await ledger.record(usage("r1"), 42)
 
     asyncio.run(write())
     redis_server.restart()
-    pins, totals, again = asyncio.run(read())
-    assert [(p.tenant, p.pin_id, p.text) for p in pins] == [("acme", "sys", "hello")]
+    totals, again = asyncio.run(read())
     assert (totals, again) == (UsageTotals(1, 100, 0, 10, 42), False)

@@ -1,10 +1,10 @@
-"""service/usage.py: exact prices, costs and USD strings."""
+"""service/billing/usage.py: exact prices, costs and USD strings."""
 
 from decimal import Decimal
 
 import pytest
 
-from service.usage import PricePlan, UsageRecord, UsageTotals, cost_pico_usd, format_usd
+from service.billing.usage import PricePlan, UsageRecord, UsageTotals, cost_pico_usd, format_usd
 
 STANDARD = PricePlan.from_usd(input_per_mtok=0.50, cached_input_per_mtok=0.05, output_per_mtok=1.50)
 

@@ -1,7 +1,7 @@
-"""The usage ledger and the pinned-prefix registry: SQLite (embedded) or Redis (shared), one interface.
+"""The usage ledger: SQLite (embedded) or Redis (shared), one interface.
 
 Both backends count a request id once: `record` returns False for an id already recorded, so
-retries and journal replays are safe. All money is integer pico-USD (see service/usage.py).
+retries and journal replays are safe. All money is integer pico-USD (see service/billing/usage.py).
 
 SQLite keeps every record and answers any [since, until) range exactly.
 
@@ -11,7 +11,7 @@ Redis keeps integer counters (HINCRBY only, never floats), one hash per tenant p
     {prefix}usage:{tenant}:d:{day}     day  = floor(finished_at / 86400)           prompt_tokens,
     {prefix}usage:{tenant}:total       all time, + first_hour, last_hour           cached_tokens,
     {prefix}usage-seen:{request_id}    "1", SET NX, expires after 30 days          completion_tokens,
-    {prefix}pins                       hash: JSON [tenant, pin_id] -> JSON Pin     cost_pico_usd
+                                                                                   cost_pico_usd
 
 so a ranged Redis query resolves to the hour: it sums every hour bucket that overlaps
 [since, until) (whole days of the range read the day buckets instead). Counters are signed
@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
-
-from service.usage import UsageRecord, UsageTotals
+from service.billing.usage import UsageRecord, UsageTotals
 
 SECONDS_PER_HOUR = 3600
 HOURS_PER_DAY = 24
@@ -39,17 +36,8 @@ DEDUPE_TTL_S = 30 * 24 * 3600
 COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd")
 
 
-class Pin(msgspec.Struct, frozen=True):
-    """A prefix an operator pinned for a tenant; created_at is the time of its latest add (unix s)."""
-
-    tenant: str
-    pin_id: str
-    text: str
-    created_at: float
-
-
 class Ledger(Protocol):
-    """Where usage records and pins are kept. Every method is a coroutine on the service's loop."""
+    """Where usage records are kept. Every method is a coroutine on the service's loop."""
 
     async def record(self, record: UsageRecord, cost_pico_usd: int) -> bool:
         """Apply `record` once; False if its request_id was already recorded."""
@@ -59,15 +47,6 @@ class Ledger(Protocol):
 
     async def totals(self, tenant: str, since: float | None = None, until: float | None = None) -> UsageTotals:
         """Sums over the tenant's records with finished_at in [since, until) (None: unbounded)."""
-
-    async def add_pin(self, tenant: str, pin_id: str, text: str) -> None:
-        """Insert or replace the pin (tenant, pin_id)."""
-
-    async def remove_pin(self, tenant: str, pin_id: str) -> bool:
-        """Delete the pin; False if there was none."""
-
-    async def list_pins(self) -> list[Pin]:
-        """Every pin, ordered by (tenant, pin_id)."""
 
     async def close(self) -> None:
         """Release what the ledger holds."""
@@ -97,13 +76,6 @@ CREATE TABLE IF NOT EXISTS usage (
     finished_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS usage_by_tenant_time ON usage (tenant, finished_at);
-CREATE TABLE IF NOT EXISTS pins (
-    tenant TEXT NOT NULL,
-    pin_id TEXT NOT NULL,
-    text TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (tenant, pin_id)
-);
 """
 
 _INSERT = """INSERT OR IGNORE INTO usage (request_id, tenant, model, prompt_tokens, cached_tokens,
@@ -119,9 +91,8 @@ class SQLiteLedger:
     and added in Python, so no single SQL sum nears the 64-bit limit.
     """
 
-    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._clock = clock
         self._conn: sqlite3.Connection | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-ledger")
         self._executor.submit(self._open).result()
@@ -188,30 +159,6 @@ class SQLiteLedger:
         """Exact sums over the tenant's records with finished_at in [since, until)."""
         return await self._call(self._totals, tenant, since, until)
 
-    def _upsert_pin(self, pin: Pin) -> None:
-        self._conn.execute(
-            "INSERT INTO pins (tenant, pin_id, text, created_at) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT (tenant, pin_id) DO UPDATE SET text = excluded.text, created_at = excluded.created_at",
-            (pin.tenant, pin.pin_id, pin.text, pin.created_at))
-
-    async def add_pin(self, tenant: str, pin_id: str, text: str) -> None:
-        """Insert or replace the pin (tenant, pin_id)."""
-        await self._call(self._upsert_pin, Pin(tenant, pin_id, text, self._clock()))
-
-    async def remove_pin(self, tenant: str, pin_id: str) -> bool:
-        """Delete the pin; False if there was none."""
-        def delete() -> bool:
-            return self._conn.execute("DELETE FROM pins WHERE tenant = ? AND pin_id = ?",
-                                      (tenant, pin_id)).rowcount == 1
-        return await self._call(delete)
-
-    async def list_pins(self) -> list[Pin]:
-        """Every pin, ordered by (tenant, pin_id)."""
-        def select() -> list[Pin]:
-            rows = self._conn.execute("SELECT tenant, pin_id, text, created_at FROM pins ORDER BY tenant, pin_id")
-            return [Pin(*row) for row in rows]
-        return await self._call(select)
-
     async def close(self) -> None:
         """Close the database and stop the worker thread."""
         if self._conn is None:
@@ -258,14 +205,12 @@ class RedisLedger:
     """
 
     def __init__(self, redis_client, key_prefix: str = "pagedserve:", *, close_client: bool = False,
-                 dedupe_ttl_s: int = DEDUPE_TTL_S, clock: Callable[[], float] = time.time) -> None:
+                 dedupe_ttl_s: int = DEDUPE_TTL_S) -> None:
         self._redis = redis_client
         self._prefix = key_prefix
         self._close_client = close_client
         self._dedupe_ttl_s = dedupe_ttl_s
-        self._clock = clock
         self._record_script = redis_client.register_script(_RECORD_LUA)
-        self._pins_key = f"{key_prefix}pins"
 
     def _bucket_key(self, tenant: str, bucket: str) -> str:
         return f"{self._prefix}usage:{tenant}:{bucket}"
@@ -323,25 +268,6 @@ class RedisLedger:
             for i, value in enumerate(row):
                 sums[i] += _int(value)
         return UsageTotals(*sums)
-
-    @staticmethod
-    def _pin_field(tenant: str, pin_id: str) -> bytes:
-        return msgspec.json.encode([tenant, pin_id])
-
-    async def add_pin(self, tenant: str, pin_id: str, text: str) -> None:
-        """Insert or replace the pin (tenant, pin_id)."""
-        pin = Pin(tenant, pin_id, text, self._clock())
-        await self._redis.hset(self._pins_key, self._pin_field(tenant, pin_id), msgspec.json.encode(pin))
-
-    async def remove_pin(self, tenant: str, pin_id: str) -> bool:
-        """Delete the pin; False if there was none."""
-        return await self._redis.hdel(self._pins_key, self._pin_field(tenant, pin_id)) == 1
-
-    async def list_pins(self) -> list[Pin]:
-        """Every pin, ordered by (tenant, pin_id)."""
-        raw = await self._redis.hvals(self._pins_key)
-        pins = [msgspec.json.decode(value, type=Pin) for value in raw]
-        return sorted(pins, key=lambda pin: (pin.tenant, pin.pin_id))
 
     async def close(self) -> None:
         """Close the Redis client if this ledger owns it."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from service.usage import UsageRecord
+from service.billing.usage import UsageRecord
 
 log = structlog.get_logger(__name__)
 

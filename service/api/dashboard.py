@@ -1,6 +1,6 @@
 """GET /dashboard (the live page map) and GET /dashboard/events (its SSE feed of page snapshots).
 
-One `PageMapFeed` per app polls `engine.page_map()` through the bridge at most `PERIOD_S` apart,
+One `PageMapFeed` per app (made by `add_routes`, kept under `PAGE_MAP_FEED`) polls `engine.page_map()` through the bridge at most `PERIOD_S` apart,
 whatever the number of viewers: it starts with the first viewer and stops after the last one
 leaves. A viewer is sent the newest snapshot when it changed, and an SSE comment every
 `KEEPALIVE_S` otherwise; a slow viewer skips snapshots, it never queues them.
@@ -74,8 +74,8 @@ def compact_page_map(snapshot: dict, model: str, max_model_len: int) -> dict:
 class PageMapFeed:
     """One poller shared by every viewer: the newest encoded snapshot and a version that bumps on change."""
 
-    def __init__(self, state: ServiceState, period_s: float = PERIOD_S) -> None:
-        self.state = state
+    def __init__(self, app: web.Application, period_s: float = PERIOD_S) -> None:
+        self.app = app  # its ServiceState exists only once the app has started
         self.period_s = period_s
         self.payload: bytes | None = None
         self.version = 0
@@ -110,7 +110,7 @@ class PageMapFeed:
         return self.version, self.payload
 
     async def _poll(self) -> None:
-        state = self.state
+        state = self.app[STATE]
         model, max_model_len = state.model_name, state.engine.max_model_len
         failing = False
         while True:
@@ -132,12 +132,14 @@ class PageMapFeed:
             await asyncio.sleep(self.period_s)
 
 
-def _feed(app: web.Application) -> PageMapFeed:
-    """The service's page-map feed, made on first use and kept on its state."""
-    state = app[STATE]
-    if state.page_map_feed is None:
-        state.page_map_feed = PageMapFeed(state)
-    return state.page_map_feed
+PAGE_MAP_FEED = web.AppKey("page_map_feed", PageMapFeed)
+
+
+def add_routes(app: web.Application) -> None:
+    """GET /dashboard and /dashboard/events, and the app's one feed."""
+    app[PAGE_MAP_FEED] = PageMapFeed(app)
+    app.router.add_get("/dashboard", dashboard_page)
+    app.router.add_get("/dashboard/events", dashboard_events)
 
 
 def _authorize(state: ServiceState, request: web.Request) -> None:
@@ -167,7 +169,7 @@ async def dashboard_events(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     await response.write(b"retry: 2000\n\n")
     try:
-        async with _feed(request.app).viewer() as feed:
+        async with request.app[PAGE_MAP_FEED].viewer() as feed:
             sent = 0
             while not state.draining:  # draining: end the stream so shutdown does not wait on it
                 version, payload = await feed.newer_than(sent, KEEPALIVE_S)

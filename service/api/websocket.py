@@ -20,9 +20,9 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from service.errors import APIError, from_exception
-from service.formatting import usage_dict
-from service.openai_api import chat_generation
-from service.protocol import ChatCompletionRequest
+from service.api.formatting import usage_dict
+from service.api.completions import chat_generation
+from service.api.protocol import ChatCompletionRequest, decode_body
 from service.state import STATE
 
 log = structlog.get_logger(__name__)
@@ -93,7 +93,7 @@ class Socket:
         self.started.add(request_id)
         generation = None
         try:
-            body = msgspec.convert(raw_body, ChatCompletionRequest, strict=True)
+            body = decode_body(raw_body, ChatCompletionRequest)
             generation = chat_generation(self.state, body, self.tenant)
             await generation.admit()
             generation.start()

@@ -1,12 +1,14 @@
 """OpenAI request bodies as strict msgspec Structs, and their mapping onto SamplingParams.
 
-Unknown fields are rejected by name; types are strict (no "5" for 5). vLLM's extra
+Unknown fields are rejected by name; types are strict (no "5" for 5), with two allowances
+OpenAI's own spec makes: `null` in an optional field means its default, and a whole number
+sent as a float (`"seed": 7.0`) is that integer (`7.5` is still a 400). vLLM's extra
 sampling fields (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -16,7 +18,7 @@ MAX_STOP_STRINGS = 4
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,15 +38,18 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by chat and completion requests."""
+    """Fields shared by chat and completion requests. Every optional field may be null: its default."""
+
+    integer_fields: ClassVar[tuple[str, ...]] = ("n", "max_tokens", "seed", "top_k")
+    prompt_param: ClassVar[str] = "prompt"  # the field a too-long prompt is reported under
 
     model: str
     max_tokens: int | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -54,13 +59,19 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool | None = None
     # prefix caching: a client salt splits the tenant's cache further; a prompt_cache_key
     # that an operator marked as shared selects that shared prefix
     cache_salt: str | None = None
     prompt_cache_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.n = 1 if self.n is None else self.n
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
+        self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:
@@ -80,13 +91,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
         max_tokens = self.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = max_model_len - num_prompt_tokens
-            if max_tokens < 1:
-                raise InvalidRequestError(
-                    f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                    f"{num_prompt_tokens}", param="messages", code="context_length_exceeded",
-                )
+        if max_tokens is None:  # the rest of the context; a prompt that fills it fails the engine's one check
+            max_tokens = max(1, max_model_len - num_prompt_tokens)
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -101,10 +107,17 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
+    integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "max_completion_tokens", "top_logprobs")
+    prompt_param: ClassVar[str] = "messages"
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -123,10 +136,18 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
-    prompt: str | list[Any]
+    integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "logprobs")
+
+    prompt: str | list[Any] | None = None  # null or absent: an empty document (the BOS token alone)
     max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.prompt = "" if self.prompt is None else self.prompt
+        self.max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        self.echo = bool(self.echo)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -151,6 +172,16 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
         )
 
 
-def decode_body(raw: bytes, kind: type[msgspec.Struct]):
-    """Parse a JSON body strictly into `kind` (raises msgspec errors the middleware maps to 400)."""
-    return msgspec.json.decode(raw, type=kind, strict=True)
+def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields:
+    """Parse a JSON body (bytes, or an already decoded object) strictly into `kind`.
+
+    Whole floats in `kind.integer_fields` become ints first. Raises msgspec errors, which the
+    middleware maps to a 400 naming the field.
+    """
+    body = msgspec.json.decode(raw) if isinstance(raw, bytes) else raw
+    if isinstance(body, dict):
+        for name in kind.integer_fields:
+            value = body.get(name)
+            if isinstance(value, float) and value.is_integer():
+                body[name] = int(value)
+    return msgspec.convert(body, kind, strict=True)

@@ -15,13 +15,13 @@ import structlog
 
 from redis.exceptions import RedisError
 
-from runtime.sampling_params import SamplingParams
+from runtime.request import Request
 from service.errors import APIError
-from service.formatting import ResponseFormat, usage_dict
+from service.api.formatting import ResponseFormat, usage_dict
 from service.rate_limit import RateLimitExceeded
 from service.tenants import Tenant
-from service.usage import UsageRecord, cost_pico_usd
-from service.protocol import SamplingFields
+from service.billing.usage import UsageRecord, cost_pico_usd
+from service.api.protocol import SamplingFields
 from service.state import ServiceState
 from service.streams import ChoiceDelta, RequestStream, follow
 
@@ -43,19 +43,16 @@ class Generation:
         self.tenant = tenant
         self.n = body.n
         self.lease = None
-        self.cache_salt = state.tenants.cache_salt(tenant.tenant_id, body.cache_salt)
-        self.shared_prefix_lens = [
-            state.tenants.shared_prefix_len(p, state.encode_prefix, body.prompt_cache_key) for p in prompts
-        ]
-        self.params: list[SamplingParams] = []
-        for token_ids in prompts:
-            params = body.sampling_params(len(token_ids), state.engine.max_model_len)
-            state.engine.check_fits(len(token_ids), params)
-            self.params.append(params)
-        self.prompts = prompts
-        self.wakeup = asyncio.Event()
+        cache_salt = state.tenants.cache_salt(tenant.tenant_id, body.cache_salt)
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
-        self.streams = [RequestStream(rid, len(p), self.n, self.wakeup) for rid, p in zip(ids, prompts)]
+        self.requests: list[Request] = []  # validated here, once; the engine queues them as they are
+        for request_id, token_ids in zip(ids, prompts):
+            params = body.sampling_params(len(token_ids), state.engine.max_model_len)
+            shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix, body.prompt_cache_key)
+            self.requests.append(state.engine.prepare_request(request_id, token_ids, params, cache_salt, shared,
+                                                              prompt_param=body.prompt_param))
+        self.wakeup = asyncio.Event()
+        self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
         self.started_at = time.monotonic()
         self.created_at = time.time()
         self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
@@ -71,7 +68,7 @@ class Generation:
         state = self.state
         state.reserve_capacity(self.num_sequences)
         try:
-            num_tokens = sum(len(p) + p_params.n * p_params.max_tokens for p, p_params in zip(self.prompts, self.params))
+            num_tokens = sum(len(r.prompt_token_ids) + r.params.n * r.params.max_tokens for r in self.requests)
             acquire = asyncio.ensure_future(state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens))
             try:
                 self.lease = await asyncio.shield(acquire)
@@ -96,8 +93,8 @@ class Generation:
     def start(self) -> None:
         """Hand every prompt to the engine (after admit())."""
         self.state.release_capacity(self.num_sequences)  # the bridge counts them from here on
-        for stream, token_ids, params, shared in zip(self.streams, self.prompts, self.params, self.shared_prefix_lens):
-            self.state.bridge.submit(stream, token_ids, params, self.cache_salt, shared)
+        for stream, request in zip(self.streams, self.requests):
+            self.state.bridge.submit(stream, request)
 
     async def deltas(self):
         """Yield lists of (choice index, ChoiceDelta) until every choice has finished."""

@@ -5,7 +5,7 @@
     ledger <──(applier: record_many, retried with backoff until accepted)─────────────┘
                        └──> checkpoint: the file offset applied so far
 
-The file format, checkpoint and compaction are in service/journal_file.py.
+The file format, checkpoint and compaction are in service/billing/journal_file.py.
 
 - `append` is synchronous and never waits for the disk or the ledger; a record is durable after
   the next flush (at most `flush_interval_s` later) and in the ledger once it is reachable.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import structlog
 
-from service.journal_file import JournalEntry, JournalFile, encode
-from service.ledger import Ledger, check_entry
-from service.usage import UsageRecord
+from service.billing.journal_file import JournalEntry, JournalFile, encode
+from service.billing.ledger import Ledger, check_entry
+from service.billing.usage import UsageRecord
 
 log = structlog.get_logger(__name__)
 

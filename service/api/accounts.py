@@ -9,6 +9,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from runtime.block_hash import extend_block_hashes
+from runtime.sampling_params import SamplingParams
 from service.errors import APIError
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
@@ -86,7 +87,7 @@ async def create_pin(request: web.Request) -> web.Response:
     if not body.id or len(body.id) > 128:
         raise APIError(400, "id must be 1 to 128 characters", "id", "invalid_value")
     await pin_prefix(state, tenant_id, body.id, body.text)
-    await _from_store(state.ledger.add_pin(tenant_id, body.id, body.text))
+    await _from_store(state.pins.add(tenant_id, body.id, body.text))
     return web.json_response({"id": body.id, "tenant": tenant_id, "pinned": True}, status=201)
 
 
@@ -94,7 +95,7 @@ async def list_pins(request: web.Request) -> web.Response:
     state = request.app[STATE]
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
-    pins = [p for p in await _from_store(state.ledger.list_pins()) if p.tenant == tenant_id]
+    pins = [p for p in await _from_store(state.pins.list()) if p.tenant == tenant_id]
     return web.json_response({"data": [{"id": p.pin_id, "text": p.text, "created_at": p.created_at} for p in pins]})
 
 
@@ -103,7 +104,7 @@ async def delete_pin(request: web.Request) -> web.Response:
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
     pin_id = request.match_info["pin_id"]
-    removed = await _from_store(state.ledger.remove_pin(tenant_id, pin_id))
+    removed = await _from_store(state.pins.remove(tenant_id, pin_id))
     await state.bridge.unpin(_engine_pin_id(tenant_id, pin_id))
     if not removed:
         raise APIError(404, f"no pinned prefix {pin_id!r}", "id", "pin_not_found")
@@ -124,10 +125,10 @@ async def prefix_index_lookup(request: web.Request) -> web.Response:
         raise APIError(400, "give the prompt text: ?prompt=...", "prompt", "missing_prompt")
     token_ids = state.engine.tokenize(prompt)
     salt = state.tenants.cache_salt(tenant_id, request.query.get("cache_salt"))
-    block_size = state.settings.engine.block_size
-    shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix) // block_size
-    hashes: list[bytes] = []
-    extend_block_hashes(hashes, token_ids, block_size, salt, shared)
+    shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix)
+    probe = state.engine.prepare_request("prefix-lookup", token_ids, SamplingParams(max_tokens=0), salt, shared)
+    hashes: list[bytes] = []  # as the engine hashes this prompt's full blocks
+    extend_block_hashes(hashes, token_ids, state.engine.block_size, probe.cache_salt, probe.num_shared_blocks)
     replicas = await _from_store(state.prefix_index.lookup(hashes))
     return web.json_response({"tenant": tenant_id, "num_prompt_tokens": len(token_ids), "num_full_blocks": len(hashes),
                               "replicas": replicas})

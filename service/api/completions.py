@@ -8,9 +8,9 @@ import msgspec
 from aiohttp import web
 
 from service.errors import from_exception
-from service.formatting import ChatFormat, CompletionFormat
-from service.generation import ChoiceAccumulator, Generation, new_request_id
-from service.protocol import ChatCompletionRequest, CompletionRequest, decode_body
+from service.api.formatting import ChatFormat, CompletionFormat
+from service.api.generation import ChoiceAccumulator, Generation, new_request_id
+from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -60,7 +60,7 @@ async def _whole_response(generation: Generation) -> web.Response:
         for index, delta in deltas:
             acc.add(index, delta)
     fmt = generation.fmt
-    choices = [fmt.final_choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(acc.choices.items())]
+    choices = [fmt.final_choice(i, whole) for i, whole in sorted(acc.choices.items())]
     return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json")
 
 

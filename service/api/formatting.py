@@ -1,0 +1,138 @@
+"""OpenAI response bodies for chat and text completions, whole and as stream chunks.
+
+Logprobs: the chosen token's string is the engine's share of the output text for that token
+(runtime.outputs.TokenLogprob), so a choice's tokens, joined, spell its text and every
+`text_offset` points at its token. The strings of the top alternatives (never in the text)
+are each token decoded after a plain one, so a word-start token keeps its leading space.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from runtime.outputs import TokenLogprob
+from service.streams import ChoiceDelta
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI usage; cached_tokens (input served from shared pages) is a part of prompt_tokens."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseFormat:
+    """Shared by both endpoints: ids, timestamps, model, how token ids become strings."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, created: int, model: str, tokenizer, num_top_logprobs: int | None) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.tokenizer = tokenizer
+        self.num_top_logprobs = num_top_logprobs  # None: no logprobs asked
+        self._sse_head: bytes | None = None
+        self._sse_tail = b""
+        self._pieces: dict[int, str] = {}  # token id -> its string as a top alternative
+        self._anchor: tuple[list[int], int] | None = None  # a plain token and the length of its text
+
+    def alternative_text(self, token_id: int) -> str:
+        """How token `token_id` reads after other text (SentencePiece's word-start space kept)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            if self._anchor is None:
+                anchor = self.tokenizer.encode("a", add_special_tokens=False)[:1]
+                self._anchor = (anchor, len(self.tokenizer.decode(anchor, skip_special_tokens=False)))
+            anchor, skip = self._anchor
+            piece = self.tokenizer.decode([*anchor, token_id], skip_special_tokens=False)[skip:]
+            self._pieces[token_id] = piece
+        return piece
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
+
+    def sse_event(self, choices: list[dict], include_usage: bool) -> bytes:
+        """`data: {chunk}\n\n` for these choices; the constant head and tail are encoded once."""
+        if self._sse_head is None:
+            head = msgspec.json.encode(self.chunk([], None, include_usage))
+            cut = head.index(b'"choices":[]') + len(b'"choices":')
+            self._sse_head, self._sse_tail = b"data: " + head[:cut], head[cut + 2 :] + b"\n\n"
+        return self._sse_head + msgspec.json.encode(choices) + self._sse_tail
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, include_usage: bool = False) -> dict:
+        body = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                "model": self.model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
+        if self.num_top_logprobs is None:
+            return None
+        content = []
+        for token in tokens:
+            content.append({
+                "token": token.text, "logprob": token.logprobs[token.token_id], "bytes": list(token.text.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.alternative_text(tid)), "logprob": lp, "bytes": list(t.encode())}
+                    for tid, lp in self._top(token.logprobs)
+                ],
+            })
+        return {"content": content, "refusal": None}
+
+    def delta_choice(self, index: int, delta: ChoiceDelta, first: bool) -> dict:
+        message = {"role": "assistant", "content": delta.text, "refusal": None} if first else {"content": delta.text}
+        return {"index": index, "delta": message, "logprobs": self.logprobs(delta.logprobs),
+                "finish_reason": delta.finish_reason}
+
+    def final_choice(self, index: int, whole: ChoiceDelta) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": whole.text, "refusal": None},
+                "logprobs": self.logprobs(whole.logprobs), "finish_reason": whole.finish_reason}
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offsets: dict[int, int] = {}  # choice index -> characters of text streamed so far
+
+    def logprobs(self, tokens: list[TokenLogprob], text_offset: int = 0) -> dict | None:
+        if self.num_top_logprobs is None:
+            return None
+        offsets, offset = [], text_offset
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token.text)
+        return {
+            "tokens": [token.text for token in tokens],
+            "token_logprobs": [token.logprobs[token.token_id] for token in tokens],
+            "top_logprobs": [{self.alternative_text(tid): lp for tid, lp in self._top(token.logprobs)}
+                             for token in tokens],
+            "text_offset": offsets,
+        }
+
+    def delta_choice(self, index: int, delta: ChoiceDelta, first: bool) -> dict:
+        offset = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = offset + sum(len(token.text) for token in delta.logprobs)
+        return {"index": index, "text": delta.text, "logprobs": self.logprobs(delta.logprobs, offset),
+                "finish_reason": delta.finish_reason}
+
+    def final_choice(self, index: int, whole: ChoiceDelta) -> dict:
+        return {"index": index, "text": whole.text, "logprobs": self.logprobs(whole.logprobs),
+                "finish_reason": whole.finish_reason}

@@ -1,0 +1,144 @@
+"""The pinned-prefix registry: which system prompts each tenant asked to keep resident.
+
+The engine holds a pin's pages; this registry holds the pins themselves, so they survive a
+restart (the service re-pins them at start-up). SQLite (embedded) or Redis (shared by
+replicas), one interface:
+
+    SQLite   table pins (tenant, pin_id) -> text, created_at          in <data_dir>/pins.sqlite3
+    Redis    {prefix}pins   hash: JSON [tenant, pin_id] -> JSON Pin
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+
+class Pin(msgspec.Struct, frozen=True):
+    """A prefix an operator pinned for a tenant; created_at is the time of its latest add (unix s)."""
+
+    tenant: str
+    pin_id: str
+    text: str
+    created_at: float
+
+
+class PinRegistry(Protocol):
+    """Where pins are kept. Every method is a coroutine on the service's loop."""
+
+    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+        """Insert or replace the pin (tenant, pin_id)."""
+
+    async def remove(self, tenant: str, pin_id: str) -> bool:
+        """Delete the pin; False if there was none."""
+
+    async def list(self) -> list[Pin]:
+        """Every pin, ordered by (tenant, pin_id)."""
+
+    async def close(self) -> None:
+        """Release what the registry holds."""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pins (
+    tenant TEXT NOT NULL,
+    pin_id TEXT NOT NULL,
+    text TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (tenant, pin_id)
+);
+"""
+
+
+class SQLitePinRegistry:
+    """Pins in one SQLite file, used from one worker thread."""
+
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-pins")
+        self._conn: sqlite3.Connection | None = self._executor.submit(self._open).result()
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.executescript(_SCHEMA)
+        return conn
+
+    async def _call(self, fn, *args):
+        if self._conn is None:
+            raise RuntimeError(f"the pin registry {self.path} is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+        """Insert or replace the pin (tenant, pin_id)."""
+        def upsert() -> None:
+            self._conn.execute(
+                "INSERT INTO pins (tenant, pin_id, text, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (tenant, pin_id)"
+                " DO UPDATE SET text = excluded.text, created_at = excluded.created_at",
+                (tenant, pin_id, text, self._clock()))
+        await self._call(upsert)
+
+    async def remove(self, tenant: str, pin_id: str) -> bool:
+        """Delete the pin; False if there was none."""
+        def delete() -> bool:
+            return self._conn.execute("DELETE FROM pins WHERE tenant = ? AND pin_id = ?",
+                                      (tenant, pin_id)).rowcount == 1
+        return await self._call(delete)
+
+    async def list(self) -> list[Pin]:
+        """Every pin, ordered by (tenant, pin_id)."""
+        def select() -> list[Pin]:
+            rows = self._conn.execute("SELECT tenant, pin_id, text, created_at FROM pins ORDER BY tenant, pin_id")
+            return [Pin(*row) for row in rows]
+        return await self._call(select)
+
+    async def close(self) -> None:
+        """Close the database and stop the worker thread."""
+        if self._conn is None:
+            return
+        await self._call(self._conn.close)
+        self._conn = None
+        self._executor.shutdown(wait=True)
+
+
+class RedisPinRegistry:
+    """Pins in one Redis hash, shared by every replica. The client is the caller's."""
+
+    def __init__(self, redis_client, key_prefix: str = "pagedserve:", *, close_client: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._redis = redis_client
+        self._key = f"{key_prefix}pins"
+        self._close_client = close_client
+        self._clock = clock
+
+    @staticmethod
+    def _field(tenant: str, pin_id: str) -> bytes:
+        return msgspec.json.encode([tenant, pin_id])
+
+    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+        """Insert or replace the pin (tenant, pin_id)."""
+        pin = Pin(tenant, pin_id, text, self._clock())
+        await self._redis.hset(self._key, self._field(tenant, pin_id), msgspec.json.encode(pin))
+
+    async def remove(self, tenant: str, pin_id: str) -> bool:
+        """Delete the pin; False if there was none."""
+        return await self._redis.hdel(self._key, self._field(tenant, pin_id)) == 1
+
+    async def list(self) -> list[Pin]:
+        """Every pin, ordered by (tenant, pin_id)."""
+        pins = [msgspec.json.decode(value, type=Pin) for value in await self._redis.hvals(self._key)]
+        return sorted(pins, key=lambda pin: (pin.tenant, pin.pin_id))
+
+    async def close(self) -> None:
+        """Close the Redis client if this registry owns it."""
+        if self._close_client:
+            await self._redis.aclose()

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+def redis_server_binary() -> str:
+    """redis-server from PATH; a clear failure naming the fix when it is missing."""
+    found = shutil.which("redis-server")
+    if found is None:
+        pytest.fail("redis-server is not on PATH: run `make setup` (scripts/system-deps.sh installs it)", pytrace=False)
+    return found
 
 
 def free_port() -> int:
@@ -56,7 +61,7 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         log = open(self.dir / "redis.log", "ab")
         self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.dir)],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -64,7 +64,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     tenants_file: str | None = None  # TOML of tenants, keys, plans, limits; None: open, tenant "default"
     redis_url: str | None = None  # None: embedded (SQLite ledger, in-process index and limits)
-    data_dir: str = "data"  # the SQLite ledger and the usage journal live here
+    data_dir: str = "data"  # the SQLite ledger, the usage journal and the pin registry live here
+    usage_write_timeout_s: float = 10.0  # a request's last message waits this long for its usage record's fsync
     cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
 
@@ -75,6 +76,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.max_body_bytes must be at least 1024")
         if self.max_queued_requests < 0:
             raise ConfigError("server.max_queued_requests must be >= 0")
+        if self.usage_write_timeout_s <= 0:
+            raise ConfigError("server.usage_write_timeout_s must be > 0")
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

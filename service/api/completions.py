@@ -7,7 +7,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from service.errors import from_exception
+from service.errors import APIError, from_exception
 from service.api.formatting import ChatFormat, CompletionFormat
 from service.api.generation import ChoiceAccumulator, Generation, new_request_id
 from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
@@ -61,6 +61,7 @@ async def _whole_response(generation: Generation) -> web.Response:
             acc.add(index, delta)
     fmt = generation.fmt
     choices = [fmt.final_choice(i, whole) for i, whole in sorted(acc.choices.items())]
+    await generation.usage_recorded()  # the answer goes out only once its bill is on disk
     return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json")
 
 
@@ -87,6 +88,10 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
         return response  # the client left; finish() aborts the engine requests
     except Exception as exc:
         await response.write(_event(from_exception(exc).body()))
+    try:
+        await generation.usage_recorded()  # the stream's end goes out only once its bill is on disk
+    except APIError as exc:
+        await response.write(_event(exc.body()))
     if include_usage:
         await response.write(_event(fmt.chunk([], generation.usage(), True)))
     await response.write(b"data: [DONE]\n\n")

@@ -56,6 +56,7 @@ class Generation:
         self.started_at = time.monotonic()
         self.created_at = time.time()
         self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
+        self._recorded: asyncio.Future | None = None  # finish()'s: done once the usage records are on disk
         self.num_sequences = len(prompts) * self.n
 
     async def admit(self) -> None:
@@ -109,12 +110,16 @@ class Generation:
             sum(s.num_cached_tokens for s in self.streams),
         )
 
-    def finish(self) -> None:
-        """Abort what is still running; bill, record metrics and one summary line. Call exactly once.
+    def finish(self) -> asyncio.Future:
+        """Abort what is still running; bill, record metrics and one summary line.
 
         Every engine request produces one usage record, cancelled ones included: the whole
         prompt (it was accepted) and the completion tokens that were computed and handed out.
+        Idempotent: the first call does the work; every call returns the future that is done
+        once all of this request's records are on disk (see `usage_recorded`).
         """
+        if self._recorded is not None:
+            return self._recorded
         elapsed = time.monotonic() - self.started_at
         finished_at = time.time()
         state = self.state
@@ -125,6 +130,7 @@ class Generation:
         if self.lease is not None:
             state.spawn(self._release(usage["total_tokens"]))
         plan = self.tenant.price_plan(state.model_name)
+        on_disk: list[asyncio.Future] = []
         for stream in self.streams:
             reason = "error" if stream.error else next((r for r in stream.finish_reasons if r), "abort")
             record = UsageRecord(
@@ -134,9 +140,10 @@ class Generation:
                 created_at=self.created_at, finished_at=finished_at,
             )
             try:
-                state.journal.append(record, cost_pico_usd(record, plan))
-            except Exception:  # one bad record must not stop the others from being billed
+                on_disk.append(state.journal.append(record, cost_pico_usd(record, plan)))
+            except Exception as exc:  # one bad record must not stop the others from being billed
                 log.exception("usage record not journaled", request_id=stream.request_id)
+                on_disk.append(_failed(exc))
             state.metrics.observe(stream, reason, elapsed)
         first = self.streams[0]
         log.info(
@@ -146,6 +153,26 @@ class Generation:
             ttft_s=None if first.ttft is None else round(first.ttft, 4), total_s=round(elapsed, 4),
             finish_reasons=[r for s in self.streams for r in s.finish_reasons],
         )
+        self._recorded = asyncio.gather(*on_disk)
+        self._recorded.add_done_callback(self._note_unrecorded)
+        return self._recorded
+
+    async def usage_recorded(self) -> None:
+        """finish(), then wait until its usage records are on disk: call before the last message.
+
+        Raises APIError 503 if they are not written within server.usage_write_timeout_s (the
+        records stay queued in the journal; the answer's end is withheld rather than unbilled).
+        """
+        recorded = self.finish()
+        try:
+            await asyncio.wait_for(asyncio.shield(recorded), self.state.settings.server.usage_write_timeout_s)
+        except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
+            raise APIError(503, "the usage record of this request could not be written; retry shortly", None,
+                           "usage_not_recorded", {"Retry-After": "5"}) from exc
+
+    def _note_unrecorded(self, recorded: asyncio.Future) -> None:
+        if not recorded.cancelled() and recorded.exception() is not None:
+            log.error("usage records not on disk", request_id=self.fmt.response_id, error=str(recorded.exception()))
 
 
     async def _release(self, total_tokens: int) -> None:
@@ -153,6 +180,12 @@ class Generation:
             await self.state.limiter.release(self.lease, total_tokens)
         except (OSError, RedisError) as exc:
             log.warning("rate limiter unreachable on release", error=str(exc), tenant=self.tenant.tenant_id)
+
+
+def _failed(error: Exception) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(error)
+    return future
 
 
 class ChoiceAccumulator:

@@ -22,6 +22,7 @@ from aiohttp import WSMsgType, web
 from service.errors import APIError, from_exception
 from service.api.formatting import usage_dict
 from service.api.completions import chat_generation
+from service.api.generation import Generation
 from service.api.protocol import ChatCompletionRequest, decode_body
 from service.state import STATE
 
@@ -123,10 +124,15 @@ class Socket:
             if generation is not None and generation.admitted:
                 generation.finish()
 
-    async def _done(self, request_id: str, generation) -> None:
+    async def _done(self, request_id: str, generation: Generation) -> None:
         """The request's end: its usage (nothing if it was never admitted) and finish reasons."""
         if not generation.admitted:
             await self.send({"type": "done", "id": request_id, "usage": usage_dict(0, 0, 0), "finish_reasons": ["abort"]})
+            return
+        try:
+            await generation.usage_recorded()  # "done" goes out only once the bill is on disk
+        except APIError as exc:
+            await self.error(request_id, exc)
             return
         reasons = [r for s in generation.streams for r in s.finish_reasons]
         await self.send({"type": "done", "id": request_id, "usage": generation.usage(), "finish_reasons": reasons})

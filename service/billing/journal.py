@@ -1,14 +1,19 @@
 """A write-ahead journal in front of the ledger: no usage is lost while Redis is down or slow.
 
-    append() ──> memory buffer ──(writer: every flush_interval_s or batch_records)──> file + fdatasync
-                                                                                      │
-    ledger <──(applier: record_many, retried with backoff until accepted)─────────────┘
+    append() ──> memory buffer ──(writer: group commit)──> file + fdatasync ──> append's future done
+                                                              │
+    ledger <──(applier: record_many, retried with backoff until accepted)
                        └──> checkpoint: the file offset applied so far
 
 The file format, checkpoint and compaction are in service/billing/journal_file.py.
 
-- `append` is synchronous and never waits for the disk or the ledger; a record is durable after
-  the next flush (at most `flush_interval_s` later) and in the ledger once it is reachable.
+- `append` is synchronous and never waits for the disk or the ledger; it returns a future that
+  is done once the record is on disk (fdatasync'd). The service sends a request's last message
+  only after that, so an answer a client received is never lost, not even on kill -9.
+- Group commit: the writer takes everything buffered, writes it and fdatasyncs once; records
+  appended meanwhile form the next batch. So a batch is one fsync's worth of arrivals (or
+  `batch_records`), with no timer on the path; `flush_interval_s` > 0 adds a wait for the
+  batch to fill, for disks where each fsync is dear.
 - `start` replays everything after the checkpoint. Replays are safe because the ledger counts a
   request id once (Redis remembers ids for 30 days; SQLite forever).
 - Any ledger error is retried, with backoff up to `max_backoff_s`: the first failure logs an
@@ -36,7 +41,7 @@ log = structlog.get_logger(__name__)
 class UsageJournal:
     """Durable, asynchronous delivery of usage records to a ledger (see the module doc)."""
 
-    def __init__(self, path: str | Path, ledger: Ledger, *, flush_interval_s: float = 0.05,
+    def __init__(self, path: str | Path, ledger: Ledger, *, flush_interval_s: float = 0.0,
                  batch_records: int = 256, retry_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
                  warn_interval_s: float = 30.0, compact_bytes: int = 64 << 20, stop_timeout_s: float = 5.0) -> None:
         self.path = Path(path)
@@ -51,6 +56,7 @@ class UsageJournal:
         self._stop_timeout_s = stop_timeout_s
         self._buffer = bytearray()  # encoded lines not yet written
         self._num_buffered = 0
+        self._waiters: list[asyncio.Future] = []  # one per buffered record: done once it is on disk
         self._num_appended = 0  # sequence counters for this object's life, replayed records included
         self._num_applied = 0
         self._running = False
@@ -65,17 +71,23 @@ class UsageJournal:
         """Records appended (or found at start) that the ledger has not accepted yet."""
         return self._num_appended - self._num_applied
 
-    def append(self, record: UsageRecord, cost_pico_usd: int) -> None:
-        """Queue one record; returns at once (no disk, no ledger). ValueError for an invalid record."""
+    def append(self, record: UsageRecord, cost_pico_usd: int) -> asyncio.Future:
+        """Queue one record; returns at once (no disk, no ledger) a future done once it is on disk.
+
+        Raises ValueError for an invalid record, RuntimeError when the journal is not running.
+        """
         if not self._running or self._stopping:
             raise RuntimeError(f"the usage journal {self.path} is not running")
         check_entry(record, cost_pico_usd)
+        durable = asyncio.get_running_loop().create_future()
         self._buffer += encode(JournalEntry(record, cost_pico_usd)) + b"\n"
+        self._waiters.append(durable)
         self._num_buffered += 1
         self._num_appended += 1
         self._has_data.set()
         if self._num_buffered >= self._batch_records:
             self._batch_full.set()
+        return durable
 
     async def start(self) -> None:
         """Open (or create) the file, queue what the checkpoint says is unapplied, start the tasks."""
@@ -88,6 +100,7 @@ class UsageJournal:
         self._file_lock = asyncio.Lock()  # a write and a compaction never overlap
         num_replayed = await asyncio.to_thread(self._file.open)
         self._buffer.clear()
+        self._waiters = []
         self._num_buffered = 0
         self._num_appended = self._num_applied + num_replayed
         self._running, self._stopping = True, False
@@ -111,6 +124,9 @@ class UsageJournal:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._running = False
+        for durable in self._waiters:  # nobody waits forever on a record the writer never wrote
+            if not durable.done():
+                durable.set_exception(RuntimeError(f"the usage journal {self.path} stopped before writing the record"))
         await asyncio.to_thread(self._file.close)
         if self._num_buffered:
             log.error("usage journal stopped with records not written", path=str(self.path),
@@ -141,14 +157,15 @@ class UsageJournal:
         backoff = self._retry_backoff_s
         while True:
             await self._has_data.wait()
-            if self._num_buffered < self._batch_records and not self._stopping:
+            if self._flush_interval_s > 0 and self._num_buffered < self._batch_records and not self._stopping:
                 try:
                     await asyncio.wait_for(self._batch_full.wait(), self._flush_interval_s)
                 except TimeoutError:
                     pass
-            data, num_records = bytes(self._buffer), self._num_buffered
+            data, num_records, waiters = bytes(self._buffer), self._num_buffered, self._waiters
             self._buffer.clear()
             self._num_buffered = 0
+            self._waiters = []
             self._has_data.clear()
             self._batch_full.clear()
             if data:
@@ -158,12 +175,16 @@ class UsageJournal:
                 except OSError as error:
                     log.error("cannot write the usage journal; retrying", path=str(self.path), error=str(error))
                     self._buffer[0:0] = data
+                    self._waiters[0:0] = waiters
                     self._num_buffered += num_records
                     self._has_data.set()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self._max_backoff_s)
                     continue
                 backoff = self._retry_backoff_s
+                for durable in waiters:
+                    if not durable.done():
+                        durable.set_result(None)
                 self._durable_changed.set()
             if self._stopping and not self._buffer:
                 self._durable_changed.set()  # lets the applier see that the writer is done

@@ -1,0 +1,196 @@
+"""kill -9 of the server mid-load: every answer a client received whole is billed after the restart.
+
+A real `pagedserve serve` process takes a steady mixed load (12 clients: chat and completions,
+half of them streaming), is killed with SIGKILL, and is started again on the same data folder.
+Every request whose client got its whole answer (the JSON body, or an SSE stream up to
+`[DONE]`) must then be in the ledger with the tokens the client was told, and in /v1/usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import redis
+import requests
+
+from tests.service.redis_fixture import free_port, own_redis_server  # noqa: F401
+
+NUM_CLIENTS = 12
+KILL_AFTER = 30  # answers received before the kill
+
+
+class ServerProcess:
+    """`python -m service.cli serve` on a free port, its log in the data folder."""
+
+    def __init__(self, model_dir: Path, data_dir: Path, redis_url: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+                "--data-dir", str(data_dir), "--num-blocks", "256", "--max-num-seqs", "16"]
+        if redis_url:
+            args += ["--redis-url", redis_url]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_SERVER_LOG_JSON": "true"}
+        self.log = open(data_dir / f"server-{self.port}.log", "ab")
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                        cwd=Path(__file__).resolve().parents[2])
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the server was not ready within {timeout} s; see {self.log.name}")
+
+    def kill(self) -> None:
+        """SIGKILL (nothing is flushed on the way out); harmless once it is dead."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+        self.log.close()
+
+
+def _body(client: int, turn: int) -> tuple[str, dict]:
+    stream = client % 2 == 0
+    common = {"model": "stories260K", "max_tokens": 8 + (client * 7 + turn) % 24, "temperature": 0.7,
+              "seed": client * 1000 + turn, "stream": stream}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if client % 4 < 2:
+        return "/v1/completions", {**common, "prompt": f"Story {client}.{turn}: Once upon a time"}
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Tale {client}.{turn}"}]}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> dict | None:
+    """The answer's id and usage if the whole answer arrived; None if it was cut off."""
+    async with session.post(url + path, json=body) as response:
+        if response.status != 200:
+            return None
+        if not body["stream"]:
+            answer = json.loads(await response.read())
+            return {"id": answer["id"], **answer["usage"]}
+        answer_id, usage = None, None
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):].strip()
+            if data == b"[DONE]":
+                return {"id": answer_id, **usage} if usage is not None else None
+            event = json.loads(data)
+            if "error" in event:
+                return None
+            answer_id = event["id"]
+            usage = event.get("usage") or usage
+        return None  # the connection ended before [DONE]
+
+
+async def _load_until_killed(server: ServerProcess) -> list[dict]:
+    received: list[dict] = []
+    killed = asyncio.Event()
+
+    async def client(session: aiohttp.ClientSession, index: int) -> None:
+        turn = 0
+        while not killed.is_set():
+            path, body = _body(index, turn)
+            turn += 1
+            try:
+                answer = await _one(session, server.url, path, body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
+                return  # the server is gone
+            if answer is not None:
+                received.append(answer)
+
+    async def killer() -> None:
+        while len(received) < KILL_AFTER:
+            await asyncio.sleep(0.005)
+        server.kill()  # in the middle of ~12 requests in flight
+        killed.set()
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(killer(), *(client(session, i) for i in range(NUM_CLIENTS)))
+    return received
+
+
+def _usage_after_replay(server: ServerProcess) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        totals = requests.get(server.url + "/v1/usage", timeout=10).json()
+        if totals["pending_records"] == 0 or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.05)
+
+
+def _check_totals(totals: dict, received: list[dict]) -> None:
+    assert totals["pending_records"] == 0
+    assert totals["requests"] >= len(received)  # requests cut off by the kill may be billed too
+    assert totals["completion_tokens"] >= sum(a["completion_tokens"] for a in received)
+    assert totals["prompt_tokens"] >= sum(a["prompt_tokens"] for a in received)
+
+
+def test_kill_9_mid_load_loses_no_answered_request_sqlite(stories_dir, tmp_path):
+    server = ServerProcess(stories_dir, tmp_path)
+    try:
+        server.wait_ready()
+        received = asyncio.run(_load_until_killed(server))
+    finally:
+        server.kill()
+    assert len(received) >= KILL_AFTER and len({a["id"] for a in received}) == len(received)
+    restarted = ServerProcess(stories_dir, tmp_path)
+    try:
+        restarted.wait_ready()
+        totals = _usage_after_replay(restarted)
+        with sqlite3.connect(f"file:{tmp_path / 'ledger.sqlite3'}?mode=ro", uri=True) as db:
+            rows = {row[0]: row[1:] for row in db.execute(
+                "SELECT request_id, prompt_tokens, cached_tokens, completion_tokens FROM usage")}
+    finally:
+        restarted.stop()
+    missing = [a["id"] for a in received if a["id"] not in rows]
+    assert missing == []
+    for answer in received:
+        assert rows[answer["id"]] == (answer["prompt_tokens"], answer["prompt_tokens_details"]["cached_tokens"],
+                                      answer["completion_tokens"]), answer["id"]
+    _check_totals(totals, received)
+
+
+def test_kill_9_mid_load_loses_no_answered_request_redis(stories_dir, tmp_path, own_redis_server):  # noqa: F811
+    server = ServerProcess(stories_dir, tmp_path, own_redis_server.url)
+    try:
+        server.wait_ready()
+        received = asyncio.run(_load_until_killed(server))
+    finally:
+        server.kill()
+    assert len(received) >= KILL_AFTER
+    restarted = ServerProcess(stories_dir, tmp_path, own_redis_server.url)
+    try:
+        restarted.wait_ready()
+        totals = _usage_after_replay(restarted)
+    finally:
+        restarted.stop()
+    client = redis.Redis.from_url(own_redis_server.url)
+    try:
+        seen = client.mget([f"pagedserve:usage-seen:{a['id']}" for a in received])
+    finally:
+        client.close()
+    assert [a["id"] for a, flag in zip(received, seen) if flag is None] == []
+    _check_totals(totals, received)

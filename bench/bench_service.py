@@ -7,6 +7,12 @@
    and the added latency of each token (engine thread made it -> client read it), p50/p99.
 2. Real engine on stories260K: 1, 16 and 64 concurrent streams (128 tokens each); TTFT and
    inter-token latency (gap between content chunks) p50/p90/p99, output tokens/s.
+3. What durable billing costs (a request's last message waits until its usage record is
+   fsynced): two stub servers side by side, one with server.reply_after_usage_on_disk = true
+   (the default), one with false, runs alternated; 64 clients each sending requests back to
+   back (SSE and JSON). Final-message latency = the client reading `[DONE]` (or the JSON body)
+   minus the time its last token was made, p50/p99; requests/s. Then the same pair with the
+   real engine: output tokens/s at 64 streams.
 Results: bench/results/service.json.
 """
 
@@ -19,19 +25,126 @@ import sys
 import tempfile
 import time
 
-from common import (STORIES, free_port, log, machine_info, percentile, start_process, stop_process, wait_http,
-                    write_result)
+from common import (STORIES, alternated, free_port, log, machine_info, median, percentile, start_process,
+                    stop_process, wait_http, write_result)
 
 import aiohttp  # noqa: E402
 import uvloop  # noqa: E402
 
 
-def start_server(args: list[str], port: int):
+def start_server(args: list[str], port: int, env: dict | None = None):
     """Start a server (this repo's interpreter) with its own data dir; return once /ready answers."""
     proc = start_process([sys.executable, *args, "--port", str(port)],
-                         env={"PAGEDSERVE_SERVER_DATA_DIR": tempfile.mkdtemp(prefix="bench-service-")})
+                         env={"PAGEDSERVE_SERVER_DATA_DIR": tempfile.mkdtemp(prefix="bench-service-"), **(env or {})})
     wait_http(f"http://127.0.0.1:{port}/ready", proc, timeout=120)
     return proc
+
+
+DURABILITY_SYSTEMS = ("durable", "reply_first")  # server.reply_after_usage_on_disk = true / false
+
+
+def data_dir_filesystem() -> str:
+    """The filesystem type under tempfile's folder (fsync on tmpfs costs nothing: say so)."""
+    import psutil
+
+    folder = tempfile.gettempdir()
+    best = max((p for p in psutil.disk_partitions(all=True) if folder.startswith(p.mountpoint)),
+               key=lambda p: len(p.mountpoint), default=None)
+    return f"{folder} on {best.fstype if best else 'unknown'}"
+
+
+async def final_message_stub(session, url: str, stream: bool, num_tokens: int, latencies: list[float]) -> None:
+    """One request; the gap between its last token being made and the client holding the answer's end."""
+    body = {"model": "stub", "prompt": "x", "max_tokens": num_tokens, "stream": stream}
+    last_stamp = None
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if stream:
+            async for line in response.content:
+                for match in TEXT_FIELD.finditer(line):
+                    if match.group(1).split():
+                        last_stamp = int(match.group(1).split()[-1])
+                if line.startswith(b"data: [DONE]"):
+                    break
+        else:
+            raw = await response.read()
+            last_stamp = int(TEXT_FIELD.search(raw).group(1).split()[-1])
+        now_us = time.perf_counter_ns() // 1000
+    if response.status != 200 or last_stamp is None:
+        raise RuntimeError(f"bad answer: {response.status}")
+    latencies.append((now_us - last_stamp) / 1e6)
+
+
+async def durability_run(url: str, concurrency: int, requests_each: int, num_tokens: int) -> dict:
+    latencies = {True: [], False: []}
+
+    async def client(session, index: int) -> None:
+        for turn in range(requests_each):
+            stream = (index + turn) % 2 == 0
+            await final_message_stub(session, url, stream, num_tokens, latencies[stream])
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session, i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ms = lambda v: round(1e3 * v, 3)  # noqa: E731
+    num_requests = concurrency * requests_each
+    return {"requests": num_requests, "seconds": round(elapsed, 3), "requests_per_s": round(num_requests / elapsed, 1),
+            "tokens_per_s": round(num_requests * num_tokens / elapsed),
+            "sse_final_ms_p50": ms(percentile(latencies[True], 0.5)),
+            "sse_final_ms_p99": ms(percentile(latencies[True], 0.99)),
+            "json_final_ms_p50": ms(percentile(latencies[False], 0.5)),
+            "json_final_ms_p99": ms(percentile(latencies[False], 0.99))}
+
+
+def durability_stub(quick: bool) -> dict:
+    """Stub servers with and without the wait, alternated; medians over the repeats and the deltas."""
+    repeats, requests_each, num_tokens = (2, 10, 8) if quick else (5, 40, 16)
+    ports = {name: free_port() for name in DURABILITY_SYSTEMS}
+    procs = {}
+    try:
+        for name in DURABILITY_SYSTEMS:
+            flags = ["--reply-before-usage-on-disk"] if name == "reply_first" else []
+            procs[name] = start_server(["bench/stub_server.py", *flags], ports[name])
+        runs: dict[str, list[dict]] = {name: [] for name in DURABILITY_SYSTEMS}
+        for repeat, name in alternated(DURABILITY_SYSTEMS, repeats):
+            log(f"durability (stub engine), repeat {repeat + 1}/{repeats}, {name}: 64 clients x {requests_each} ...")
+            run = uvloop.run(durability_run(f"http://127.0.0.1:{ports[name]}", 64, requests_each, num_tokens))
+            log(f"  {run}")
+            runs[name].append(run)
+    finally:
+        for proc in procs.values():
+            stop_process(proc)
+    medians = {name: {key: median([r[key] for r in rs]) for key in rs[0]} for name, rs in runs.items()}
+    durable, first = medians["durable"], medians["reply_first"]
+    return {"concurrency": 64, "requests_each": requests_each, "tokens_each": num_tokens, "repeats": repeats,
+            "data_dir": data_dir_filesystem(), "median": medians, "runs": runs,
+            "added_ms": {key: round(durable[key] - first[key], 3) for key in durable if key.endswith(("p50", "p99"))},
+            "requests_per_s_ratio": round(durable["requests_per_s"] / first["requests_per_s"], 3)}
+
+
+def durability_real(quick: bool) -> dict:
+    """Real-engine servers with and without the wait, alternated: output tokens/s at 64 streams."""
+    repeats, max_tokens = (2, 32) if quick else (3, 128)
+    ports = {name: free_port() for name in DURABILITY_SYSTEMS}
+    procs = {}
+    try:
+        for name in DURABILITY_SYSTEMS:
+            env = {"PAGEDSERVE_SERVER_REPLY_AFTER_USAGE_ON_DISK": "false" if name == "reply_first" else "true"}
+            procs[name] = start_server(["-m", "service.cli", "serve", "--model", str(STORIES), "--max-num-seqs", "64"],
+                                       ports[name], env)
+        runs: dict[str, list[float]] = {name: [] for name in DURABILITY_SYSTEMS}
+        for repeat, name in alternated(DURABILITY_SYSTEMS, repeats):
+            log(f"durability (real engine), repeat {repeat + 1}/{repeats}, {name}: 64 streams ...")
+            run = uvloop.run(real_run(f"http://127.0.0.1:{ports[name]}", 64, max_tokens))
+            log(f"  {run['output_tokens_per_s']} tok/s")
+            runs[name].append(run["output_tokens_per_s"])
+    finally:
+        for proc in procs.values():
+            stop_process(proc)
+    medians = {name: median(values) for name, values in runs.items()}
+    return {"concurrency": 64, "max_tokens": max_tokens, "repeats": repeats, "output_tokens_per_s": runs,
+            "median": medians, "ratio": round(medians["durable"] / medians["reply_first"], 3)}
 
 
 TEXT_FIELD = re.compile(rb'"text":"([0-9 ]*)"')
@@ -98,8 +211,17 @@ async def real_run(url: str, concurrency: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only-durability", action="store_true", help="run part 3 alone (bench/results/durability.json)")
     args = parser.parse_args()
     result: dict = {"machine": machine_info()}
+    if args.only_durability:
+        result["durability_stub_engine"] = durability_stub(args.quick)
+        result["durability_real_engine"] = durability_real(args.quick)
+        log(f"added {result['durability_stub_engine']['added_ms']}, requests/s ratio "
+            f"{result['durability_stub_engine']['requests_per_s_ratio']}, real tok/s ratio "
+            f"{result['durability_real_engine']['ratio']}")
+        write_result("durability", args.quick, result)
+        return
     port = free_port()
     proc = start_server(["bench/stub_server.py"], port)
     try:
@@ -125,6 +247,11 @@ def main() -> None:
             result["real_engine_stories260K"].append(run)
     finally:
         stop_process(proc)
+    result["durability_stub_engine"] = durability_stub(args.quick)
+    log(f"durability, stub engine: added {result['durability_stub_engine']['added_ms']}, requests/s ratio "
+        f"{result['durability_stub_engine']['requests_per_s_ratio']}")
+    result["durability_real_engine"] = durability_real(args.quick)
+    log(f"durability, real engine: output tok/s ratio {result['durability_real_engine']['ratio']}")
     write_result("service", args.quick, result)
 
 

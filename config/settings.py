@@ -65,7 +65,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenants_file: str | None = None  # TOML of tenants, keys, plans, limits; None: open, tenant "default"
     redis_url: str | None = None  # None: embedded (SQLite ledger, in-process index and limits)
     data_dir: str = "data"  # the SQLite ledger, the usage journal and the pin registry live here
-    usage_write_timeout_s: float = 10.0  # a request's last message waits this long for its usage record's fsync
+    reply_after_usage_on_disk: bool = True  # a request's last message waits for its usage record's fsync
+    usage_write_timeout_s: float = 10.0  # ... this long at most (then 503; the record stays queued)
     cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
 

@@ -164,6 +164,8 @@ class Generation:
         records stay queued in the journal; the answer's end is withheld rather than unbilled).
         """
         recorded = self.finish()
+        if not self.state.settings.server.reply_after_usage_on_disk:
+            return
         try:
             await asyncio.wait_for(asyncio.shield(recorded), self.state.settings.server.usage_write_timeout_s)
         except (TimeoutError, RuntimeError, ValueError, OSError) as exc:

@@ -194,3 +194,22 @@ def test_kill_9_mid_load_loses_no_answered_request_redis(stories_dir, tmp_path, 
         client.close()
     assert [a["id"] for a, flag in zip(received, seen) if flag is None] == []
     _check_totals(totals, received)
+
+
+def test_usage_counts_a_request_as_soon_as_its_answer_arrived(server):
+    """README: a request is in /v1/usage once its final message has been sent."""
+    for stream in (False, True):
+        before = requests.get(server.url + "/v1/usage", timeout=10).json()
+        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        response = requests.post(server.url + "/v1/completions", json=body, timeout=30, stream=stream)
+        if stream:
+            events = [line[len(b"data: "):] for line in response.iter_lines() if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            usage = json.loads(events[-2])["usage"]
+        else:
+            usage = response.json()["usage"]
+        after = requests.get(server.url + "/v1/usage", timeout=10).json()
+        assert after["requests"] - before["requests"] == 1, stream
+        assert after["completion_tokens"] - before["completion_tokens"] == usage["completion_tokens"] == 7
+        assert after["prompt_tokens"] - before["prompt_tokens"] == usage["prompt_tokens"]

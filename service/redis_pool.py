@@ -1,7 +1,7 @@
-"""One asyncio Redis client for the ledger, rate limits and prefix index, on a blocking pool.
+"""One asyncio Redis client for the ledger, pins, rate limits and prefix index, on a blocking pool.
 
 redis-py's plain async `ConnectionPool` raises "Too many connections" once `max_connections`
-are checked out; `BlockingConnectionPool` waits up to `pool_timeout_s` for one to come back,
+are checked out; `BlockingConnectionPool` waits up to `pool_timeout_s` for one to be returned,
 which is what a burst of requests wants.
 """
 

@@ -153,7 +153,7 @@ class Generation:
             ttft_s=None if first.ttft is None else round(first.ttft, 4), total_s=round(elapsed, 4),
             finish_reasons=[r for s in self.streams for r in s.finish_reasons],
         )
-        self._recorded = asyncio.gather(*on_disk)
+        self._recorded = on_disk[0] if len(on_disk) == 1 else asyncio.gather(*on_disk)
         self._recorded.add_done_callback(self._note_unrecorded)
         return self._recorded
 
@@ -166,8 +166,9 @@ class Generation:
         recorded = self.finish()
         if not self.state.settings.server.reply_after_usage_on_disk:
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(recorded), self.state.settings.server.usage_write_timeout_s)
+        try:  # no shield: cancelling this wait leaves the journal's write as it is
+            async with asyncio.timeout(self.state.settings.server.usage_write_timeout_s):
+                await recorded
         except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
             raise APIError(503, "the usage record of this request could not be written; retry shortly", None,
                            "usage_not_recorded", {"Retry-After": "5"}) from exc

@@ -128,6 +128,9 @@ class Engine:
         are cached without the salt (whole blocks only).
         """
         params = params or SamplingParams()
+        if params.n > self.settings.max_num_seqs:
+            raise InvalidRequestError(f"n is {params.n}, but this server runs at most {self.settings.max_num_seqs} "
+                                      "sequences at once (engine.max_num_seqs)", param="n")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)

@@ -86,12 +86,17 @@ class Scheduler:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
 
+    @staticmethod
+    def _num_seats(seq: Sequence) -> int:
+        """Sequences this one will be: n while its fork is pending, else 1."""
+        return seq.request.params.n if seq.request.fork_pending else 1
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str]) -> int:
+        num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             request = seq.request
-            num_seqs_after = len(self.running) + (request.params.n if request.fork_pending else 1)
-            if num_seqs_after > self.max_num_seqs and self.running:
+            if num_seats + self._num_seats(seq) > self.max_num_seqs and self.running:
                 break
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
@@ -106,6 +111,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seats += self._num_seats(seq)
             self._add_to_batch(batch, seq, num_new, scheduled)
             budget -= num_new
         return budget

@@ -140,3 +140,10 @@ def test_top_p_zero_keeps_only_the_most_probable_token(engine):
     top_p0 = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, top_p=0.0, seed=5,
                                                       ignore_eos=True))[0]
     assert top_p0.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_n_past_max_num_seqs_is_refused_naming_n():
+    engine = Engine.from_pretrained("demo", num_blocks=16, max_num_seqs=2)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("many", [1, 2, 3], SamplingParams(n=3, max_tokens=2))
+    assert info.value.param == "n" and "max_num_seqs" in info.value.message

@@ -158,7 +158,10 @@ class Engine:
         request.sequences.append(seq)
         self.requests[request.request_id] = request
         if params.max_tokens == 0:  # nothing to generate: done before it runs, reported by the next step
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            request.sequences += [seq.fork(i, detokenizer.copy()) for i in range(1, params.n)]
+            for sample in request.sequences:
+                sample.status, sample.finish_reason = SequenceStatus.FINISHED, "length"
+            request.fork_pending = False
             request.num_cached_tokens = 0
             self._finished_early.append(request)
             return

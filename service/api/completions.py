@@ -14,7 +14,8 @@ from service.api.protocol import ChatCompletionRequest, CompletionRequest, decod
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
 
 
 def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant) -> Generation:

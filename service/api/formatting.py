@@ -2,8 +2,9 @@
 
 Logprobs: the chosen token's string is the engine's share of the output text for that token
 (runtime.outputs.TokenLogprob), so a choice's tokens, joined, spell its text and every
-`text_offset` points at its token. The strings of the top alternatives (never in the text)
-are each token decoded after a plain one, so a word-start token keeps its leading space.
+`text_offset` points at its token. Among the top alternatives the chosen token reads the same
+(so `top_logprobs[i][tokens[i]]` finds it); the others (never in the text) are each token
+decoded after a plain one, so a word-start token keeps its leading space.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class ResponseFormat:
             self._pieces[token_id] = piece
         return piece
 
-    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
-        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
+    def _top(self, token: TokenLogprob) -> list[tuple[str, float]]:
+        """The most probable alternatives as (string, logprob), best first; the chosen one as in the text."""
+        best = sorted(token.logprobs.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
+        return [(token.text if tid == token.token_id else self.alternative_text(tid), lp) for tid, lp in best]
 
     def sse_event(self, choices: list[dict], include_usage: bool) -> bytes:
         """`data: {chunk}\n\n` for these choices; the constant head and tail are encoded once."""
@@ -88,8 +91,7 @@ class ChatFormat(ResponseFormat):
             content.append({
                 "token": token.text, "logprob": token.logprobs[token.token_id], "bytes": list(token.text.encode()),
                 "top_logprobs": [
-                    {"token": (t := self.alternative_text(tid)), "logprob": lp, "bytes": list(t.encode())}
-                    for tid, lp in self._top(token.logprobs)
+                    {"token": text, "logprob": lp, "bytes": list(text.encode())} for text, lp in self._top(token)
                 ],
             })
         return {"content": content, "refusal": None}
@@ -122,8 +124,8 @@ class CompletionFormat(ResponseFormat):
         return {
             "tokens": [token.text for token in tokens],
             "token_logprobs": [token.logprobs[token.token_id] for token in tokens],
-            "top_logprobs": [{self.alternative_text(tid): lp for tid, lp in self._top(token.logprobs)}
-                             for token in tokens],
+            # as OpenAI: the sampled token is always there, so up to logprobs + 1 entries
+            "top_logprobs": [dict(self._top(token)) | {token.text: token.logprobs[token.token_id]} for token in tokens],
             "text_offset": offsets,
         }
 

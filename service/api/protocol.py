@@ -41,6 +41,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by chat and completion requests. Every optional field may be null: its default."""
 
     integer_fields: ClassVar[tuple[str, ...]] = ("n", "max_tokens", "seed", "top_k")
+    token_id_fields: ClassVar[tuple[str, ...]] = ("stop_token_ids",)  # lists (or lists of lists) of integers
     prompt_param: ClassVar[str] = "prompt"  # the field a too-long prompt is reported under
 
     model: str
@@ -137,6 +138,7 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
     integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "logprobs")
+    token_id_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.token_id_fields, "prompt")
 
     prompt: str | list[Any] | None = None  # null or absent: an empty document (the BOS token alone)
     max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
@@ -175,13 +177,22 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
 def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields:
     """Parse a JSON body (bytes, or an already decoded object) strictly into `kind`.
 
-    Whole floats in `kind.integer_fields` become ints first. Raises msgspec errors, which the
-    middleware maps to a 400 naming the field.
+    Whole floats in `kind.integer_fields`, and in the token-id lists of `kind.token_id_fields`
+    (`"prompt": [1.0, 2.0]`), become ints first. Raises msgspec errors, which the middleware
+    maps to a 400 naming the field.
     """
     body = msgspec.json.decode(raw) if isinstance(raw, bytes) else raw
     if isinstance(body, dict):
         for name in kind.integer_fields:
+            if name in body:
+                body[name] = _whole(body[name])
+        for name in kind.token_id_fields:
             value = body.get(name)
-            if isinstance(value, float) and value.is_integer():
-                body[name] = int(value)
+            if isinstance(value, list):
+                body[name] = [[_whole(t) for t in v] if isinstance(v, list) else _whole(v) for v in value]
     return msgspec.convert(body, kind, strict=True)
+
+
+def _whole(value: Any) -> Any:
+    """A float with no fraction as the int it is (JSON has one number type); anything else as is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value

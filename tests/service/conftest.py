@@ -1,9 +1,12 @@
 """A real server on a random loopback port, run on its own thread and uvloop."""
 
 import asyncio
+import hashlib
+import json
 import tempfile
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import uvloop
@@ -12,6 +15,13 @@ from aiohttp import web
 from config import load_settings
 from service.app import create_app, load_engine
 from service.state import STATE
+
+
+class TokenCounter:
+    """Tokens the engine sampled (every step's new_token_ids), counted on the engine thread."""
+
+    def __init__(self) -> None:
+        self.value = 0
 
 
 class RunningServer:
@@ -40,6 +50,28 @@ class RunningServer:
                 return stats
             time.sleep(0.02)
         raise AssertionError(f"engine not idle: {self.state.bridge.stats}, inflight={self.state.bridge.num_inflight}")
+
+    @contextmanager
+    def counting_engine_tokens(self):
+        """Count what the engine itself generates (not what reached a client) while the block runs."""
+        engine = self.state.bridge.engine
+        real_step = engine.step
+        own = "step" in vars(engine)
+        counter = TokenCounter()
+
+        def step():
+            outputs = real_step()
+            counter.value += sum(len(c.new_token_ids) for output in outputs for c in output.outputs)
+            return outputs
+
+        engine.step = step
+        try:
+            yield counter
+        finally:
+            if own:
+                engine.step = real_step
+            else:
+                del engine.step
 
 
 @contextmanager
@@ -89,3 +121,61 @@ def stories_settings(stories_dir, server: dict | None = None, **engine):
 def server(stories_dir):
     with run_server(stories_settings(stories_dir)) as running:
         yield running
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("-", "_").isidentifier() else json.dumps(key)
+
+
+def _toml_table(header: str, values: dict) -> list[str]:
+    """`[header]` and its values, then a `[header.key]` table for each dict value (e.g. a plan's models)."""
+    scalars = {k: v for k, v in values.items() if not isinstance(v, dict)}
+    lines = []
+    if scalars or not values:  # a table of only sub-tables needs no header of its own
+        lines = [f"[{header}]", *(f"{k} = {_toml_value(v)}" for k, v in scalars.items()), ""]
+    for key, value in values.items():
+        if isinstance(value, dict):
+            lines += _toml_table(f"{header}.{_toml_key(key)}", value)
+    return lines
+
+
+def sha256_hex(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def write_tenants_file(path, tenants: dict[str, dict], plans: dict[str, dict] | None = None,
+                       admin_keys: list[str] = (), shared_prefixes: list[dict] = ()) -> Path:
+    """Write a tenants TOML file (the schema in service/tenants.py) and return its path.
+
+    tenants: id -> {"keys": [plain API keys], "plan": ..., optional limits}; keys are stored as sha256,
+    as are admin_keys. plans: name -> prices (default: one "standard" plan at 0.50 / 0.05 / 1.50 USD
+    per million tokens). shared_prefixes: [{"name": ..., "text": ...}].
+    """
+    if plans is None:
+        plans = {"standard": {"input_per_mtok": 0.50, "cached_input_per_mtok": 0.05, "output_per_mtok": 1.50}}
+    lines = []
+    if admin_keys:
+        lines += [f"admin_keys_sha256 = {_toml_value([sha256_hex(k) for k in admin_keys])}", ""]
+    for name, prices in plans.items():
+        lines += _toml_table(f"plans.{_toml_key(name)}", prices)
+    for tenant_id, config in tenants.items():
+        config = dict(config)
+        keys = config.pop("keys")
+        lines += _toml_table(f"tenants.{_toml_key(tenant_id)}", {"keys_sha256": [sha256_hex(k) for k in keys], **config})
+    for prefix in shared_prefixes:
+        lines += ["[[shared_prefixes]]", *(f"{k} = {_toml_value(v)}" for k, v in prefix.items()), ""]
+    path = Path(path)
+    path.write_text("\n".join(lines))
+    return path

@@ -2,17 +2,25 @@
 
 import asyncio
 import json
+import time
 
 import aiohttp
 
 from tests.service.conftest import run_server, stories_settings
 
 
+NUM_STREAMS, MAX_TOKENS = 40, 400
+
+
 def test_dropped_sse_streams_free_every_page(stories_dir):
     with run_server(stories_settings(stories_dir, num_blocks=512, max_num_seqs=64)) as server:
+        metrics = server.state.metrics
+
+        def num_aborted() -> float:
+            return metrics.requests.labels(finished_reason="abort")._value.get()
 
         async def one(session, i):
-            body = {"model": "stories260K", "prompt": f"Story number {i}", "max_tokens": 400, "ignore_eos": True,
+            body = {"model": "stories260K", "prompt": f"Story number {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
                     "stream": True, "temperature": 0.8, "seed": i}
             async with session.post(server.url + "/v1/completions", json=body) as response:
                 assert response.status == 200
@@ -25,12 +33,19 @@ def test_dropped_sse_streams_free_every_page(stories_dir):
 
         async def main():
             async with aiohttp.ClientSession() as session:
-                return await asyncio.gather(*(one(session, i) for i in range(40)))
+                return await asyncio.gather(*(one(session, i) for i in range(NUM_STREAMS)))
 
-        assert all(n is not None for n in asyncio.run(main()))
-        stats = server.wait_idle(timeout=3)  # 40 x 400 tokens would take far longer to run out
+        with server.counting_engine_tokens() as generated:
+            assert all(n is not None for n in asyncio.run(main()))
+            deadline = time.monotonic() + 30  # only a safety net: the wait ends when all 40 are counted
+            while num_aborted() < NUM_STREAMS and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = server.wait_idle(timeout=30)
+        assert num_aborted() == NUM_STREAMS
         assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
-        assert server.state.metrics.requests.labels(finished_reason="abort")._value.get() == 40
+        # The streams were stopped, not run out: 40 x 400 tokens is far more than the engine made.
+        assert generated.value < NUM_STREAMS * MAX_TOKENS // 4, generated.value
+        assert metrics.generation_tokens._value.get() < NUM_STREAMS * MAX_TOKENS // 4
         server.state.engine.check_invariants()  # the engine thread is idle: safe to read
 
 

@@ -1,21 +1,18 @@
 """GET /dashboard in a real browser (Playwright driving Debian's Chromium), its SSE feed, and its auth."""
 
-import hashlib
 import itertools
 import json
+import shutil
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from service.api.dashboard import COUNTERS, PAGE_MAP_FEED
-from tests.service.conftest import run_server, stories_settings
+from tests.service.conftest import run_server, stories_settings, write_tenants_file
 
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "dashboard.png"
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
 PROMPT = "Once upon a time, there was a little girl named Lily. She liked to play outside in the park with her dog."
@@ -97,14 +94,22 @@ def _cell_counts(page) -> dict:
     }""")
 
 
-def test_page_map_follows_requests_in_the_browser(server):
-    if not CHROMIUM.exists():
-        pytest.skip("no Chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)")
+def _chromium() -> str:
+    """Chromium on PATH; its absence is a broken setup, not a reason to skip the browser test."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("no `chromium` on PATH: the dashboard's browser test needs it "
+                    "(run `make setup`, or scripts/system-deps.sh, to install it)")
+    return path
+
+
+def test_page_map_follows_requests_in_the_browser(server, tmp_path):
+    chromium = _chromium()
     from playwright.sync_api import sync_playwright
 
     server.wait_idle()
     with sync_playwright() as pw, Load(server) as load:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             page.goto(server.url + "/dashboard")
@@ -122,8 +127,9 @@ def test_page_map_follows_requests_in_the_browser(server):
             if not picture["ended"]:  # the grid outlines exactly the pages the page table lists
                 table_pages = sorted(int(t.split("page ")[1].split(",")[0]) for t in picture["table"])
                 assert table_pages == sorted(picture["selected"])
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            screenshot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            assert screenshot.stat().st_size > 0
 
             load.stop()
             page.wait_for_function("document.querySelectorAll('#grid .cell.used').length === 0", timeout=20_000)
@@ -205,15 +211,11 @@ def test_viewers_share_one_poller_that_stops_when_they_leave(server):
         del bridge.page_map
 
 
-def _sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def test_with_tenants_the_dashboard_needs_an_admin_key(stories_dir, tmp_path):
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'admin_keys_sha256 = ["{_sha(ADMIN_KEY)}"]\n\n[plans.standard]\ninput_per_mtok = 0.5\n'
-                       f'cached_input_per_mtok = 0.05\noutput_per_mtok = 1.5\n\n[tenants.acme]\n'
-                       f'keys_sha256 = ["{_sha(TENANT_KEY)}"]\nplan = "standard"\n')
+    tenants = write_tenants_file(tmp_path / "tenants.toml", {"acme": {"keys": [TENANT_KEY], "plan": "standard"}},
+                                 plans={"standard": {"input_per_mtok": 0.5, "cached_input_per_mtok": 0.05,
+                                                     "output_per_mtok": 1.5}},
+                                 admin_keys=[ADMIN_KEY])
     settings = stories_settings(stories_dir, server={"tenants_file": str(tenants)}, num_blocks=NUM_BLOCKS)
     with run_server(settings) as running:
         for path in ("/dashboard", "/dashboard/events"):

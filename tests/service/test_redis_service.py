@@ -1,31 +1,20 @@
 """The service on a real Redis: kill -9 mid-load, restart, and the ledger equals what clients were told."""
 
 import asyncio
-import hashlib
 import time
 
 import aiohttp
 import requests
 
-from tests.service.conftest import run_server, stories_settings
+from tests.service.conftest import run_server, stories_settings, write_tenants_file
 from tests.service.redis_fixture import own_redis_server  # noqa: F401
 
 KEY = "sk-redis-test"
 
 
 def _tenants_file(tmp_path):
-    path = tmp_path / "tenants.toml"
-    path.write_text(f"""
-[plans.standard]
-input_per_mtok = 0.50
-cached_input_per_mtok = 0.05
-output_per_mtok = 1.50
-[tenants.acme]
-keys_sha256 = ["{hashlib.sha256(KEY.encode()).hexdigest()}"]
-plan = "standard"
-requests_per_minute = 100000
-""")
-    return path
+    return write_tenants_file(tmp_path / "tenants.toml",  # the default "standard" plan: 0.50 / 0.05 / 1.50
+                              {"acme": {"keys": [KEY], "plan": "standard", "requests_per_minute": 100000}})
 
 
 def test_killing_redis_mid_load_loses_no_usage(stories_dir, tmp_path, own_redis_server):  # noqa: F811

@@ -1,7 +1,6 @@
 """Tenants over HTTP: keys, isolation of the prefix cache, usage and its cost, limits, pins."""
 
 import asyncio
-import hashlib
 import json
 import time
 
@@ -10,50 +9,24 @@ import openai
 import pytest
 import requests
 
-from tests.service.conftest import run_server, stories_settings
+from tests.service.conftest import run_server, stories_settings, write_tenants_file
 
 KEYS = {"acme": "sk-acme-test", "globex": "sk-globex-test", "tiny": "sk-tiny-test"}
 ADMIN_KEY = "sk-admin-test"
 SYSTEM = "system: You are a storyteller who tells short happy stories about animals in a forest."
 
 
-def _sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-TENANTS_TOML = f"""
-admin_keys_sha256 = ["{_sha(ADMIN_KEY)}"]
-
-[plans.standard]
-input_per_mtok = 0.50
-cached_input_per_mtok = 0.05
-output_per_mtok = 1.50
-
-[tenants.acme]
-keys_sha256 = ["{_sha(KEYS['acme'])}"]
-plan = "standard"
-
-[tenants.globex]
-keys_sha256 = ["{_sha(KEYS['globex'])}"]
-plan = "standard"
-
-[tenants.tiny]
-keys_sha256 = ["{_sha(KEYS['tiny'])}"]
-plan = "standard"
-max_concurrent = 1
-requests_per_minute = 3
-
-[[shared_prefixes]]
-name = "public-story"
-text = "{SYSTEM}"
-"""
-
-
 @pytest.fixture(scope="module")
 def tenants_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text(TENANTS_TOML)
-    return path
+    return write_tenants_file(
+        tmp_path_factory.mktemp("tenants") / "tenants.toml",
+        {"acme": {"keys": [KEYS["acme"]], "plan": "standard"},
+         "globex": {"keys": [KEYS["globex"]], "plan": "standard"},
+         "tiny": {"keys": [KEYS["tiny"]], "plan": "standard", "max_concurrent": 1, "requests_per_minute": 3}},
+        plans={"standard": {"input_per_mtok": 0.50, "cached_input_per_mtok": 0.05, "output_per_mtok": 1.50}},
+        admin_keys=[ADMIN_KEY],
+        shared_prefixes=[{"name": "public-story", "text": SYSTEM}],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import websockets
 
@@ -88,15 +89,31 @@ def test_bad_messages_get_error_events_and_the_socket_stays_open(server):
     assert ok["ok"][-1]["type"] == "done"
 
 
+def _num_aborted(server) -> float:
+    return server.state.metrics.requests.labels(finished_reason="abort")._value.get()
+
+
 def test_closing_the_socket_aborts_its_requests(server):
+    server.wait_idle()
+    aborted_before = _num_aborted(server)
+    # The whole rest of the context, every token (ignore_eos): far more than the one chunk read before closing.
+    num_prompt_tokens = len(server.state.tokenizer.apply_chat_template([{"role": "user", "content": "Go"}]))
+    max_tokens = server.state.engine.max_model_len - num_prompt_tokens
+
     async def main():
         async with websockets.connect(_ws_url(server)) as ws:
             for i in range(3):
-                await ws.send(_request(f"c{i}", "Go", max_tokens=400, ignore_eos=True))
+                await ws.send(_request(f"c{i}", "Go", max_tokens=max_tokens, ignore_eos=True))
             await ws.recv()
 
-    asyncio.run(main())
-    server.wait_idle()
+    with server.counting_engine_tokens() as generated:
+        asyncio.run(main())
+        deadline = time.monotonic() + 30  # a safety net: the wait ends as soon as all three are counted
+        while _num_aborted(server) - aborted_before < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.wait_idle(timeout=30)
+    assert _num_aborted(server) - aborted_before == 3  # ended as aborts, not run out to finish_reason "length"
+    assert generated.value < max_tokens  # and the engine stopped: a third of what running them out would take
 
 
 def test_cancel_in_the_same_packet_as_the_request_still_answers_done(server):

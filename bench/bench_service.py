@@ -125,7 +125,7 @@ def durability_stub(quick: bool) -> dict:
 
 def durability_real(quick: bool) -> dict:
     """Real-engine servers with and without the wait, alternated: output tokens/s at 64 streams."""
-    repeats, max_tokens = (2, 32) if quick else (3, 128)
+    repeats, max_tokens = (2, 32) if quick else (5, 128)
     ports = {name: free_port() for name in DURABILITY_SYSTEMS}
     procs = {}
     try:
@@ -133,18 +133,22 @@ def durability_real(quick: bool) -> dict:
             env = {"PAGEDSERVE_SERVER_REPLY_AFTER_USAGE_ON_DISK": "false" if name == "reply_first" else "true"}
             procs[name] = start_server(["-m", "service.cli", "serve", "--model", str(STORIES), "--max-num-seqs", "64"],
                                        ports[name], env)
-        runs: dict[str, list[float]] = {name: [] for name in DURABILITY_SYSTEMS}
+        runs: dict[str, list[dict]] = {name: [] for name in DURABILITY_SYSTEMS}
         for repeat, name in alternated(DURABILITY_SYSTEMS, repeats):
             log(f"durability (real engine), repeat {repeat + 1}/{repeats}, {name}: 64 streams ...")
             run = uvloop.run(real_run(f"http://127.0.0.1:{ports[name]}", 64, max_tokens))
-            log(f"  {run['output_tokens_per_s']} tok/s")
-            runs[name].append(run["output_tokens_per_s"])
+            log(f"  {run['output_tokens_per_s']} tok/s, last token -> [DONE] p50 {run['last_token_to_done_ms_p50']} "
+                f"ms, p99 {run['last_token_to_done_ms_p99']} ms")
+            runs[name].append(run)
     finally:
         for proc in procs.values():
             stop_process(proc)
-    medians = {name: median(values) for name, values in runs.items()}
-    return {"concurrency": 64, "max_tokens": max_tokens, "repeats": repeats, "output_tokens_per_s": runs,
-            "median": medians, "ratio": round(medians["durable"] / medians["reply_first"], 3)}
+    keys = ("output_tokens_per_s", "last_token_to_done_ms_p50", "last_token_to_done_ms_p99")
+    medians = {name: {key: median([r[key] for r in rs]) for key in keys} for name, rs in runs.items()}
+    durable, first = medians["durable"], medians["reply_first"]
+    return {"concurrency": 64, "max_tokens": max_tokens, "repeats": repeats, "runs": runs, "median": medians,
+            "added_ms": {key: round(durable[key] - first[key], 3) for key in keys[1:]},
+            "ratio": round(durable["output_tokens_per_s"] / first["output_tokens_per_s"], 3)}
 
 
 TEXT_FIELD = re.compile(rb'"text":"([0-9 ]*)"')
@@ -184,12 +188,15 @@ async def stream_real(session, url: str, prompt: str, max_tokens: int) -> dict:
             "temperature": 0.8, "seed": hash(prompt) % 1000}
     start = time.perf_counter()
     chunk_times = []
+    done_at = None
     async with session.post(url + "/v1/completions", json=body) as response:
         async for line in response.content:
             if line.startswith(b"data: {") and b'"text":""' not in line:
                 chunk_times.append(time.perf_counter())
+            elif line.startswith(b"data: [DONE]"):
+                done_at = time.perf_counter()
     return {"ttft": chunk_times[0] - start, "gaps": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-            "end": chunk_times[-1]}
+            "end": chunk_times[-1], "final_gap": done_at - chunk_times[-1]}
 
 
 async def real_run(url: str, concurrency: int, max_tokens: int) -> dict:
@@ -200,11 +207,14 @@ async def real_run(url: str, concurrency: int, max_tokens: int) -> dict:
         elapsed = max(r["end"] for r in results) - start
     ttfts = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
+    final_gaps = [r["final_gap"] for r in results]
     ms = lambda v: round(1e3 * v, 2)  # noqa: E731
     return {"concurrency": concurrency, "max_tokens": max_tokens,
             "ttft_ms_p50": ms(percentile(ttfts, 0.5)), "ttft_ms_p99": ms(percentile(ttfts, 0.99)),
             "itl_ms_p50": ms(percentile(gaps, 0.5)), "itl_ms_p90": ms(percentile(gaps, 0.9)),
             "itl_ms_p99": ms(percentile(gaps, 0.99)),
+            "last_token_to_done_ms_p50": ms(percentile(final_gaps, 0.5)),
+            "last_token_to_done_ms_p99": ms(percentile(final_gaps, 0.99)),
             "output_tokens_per_s": round(concurrency * max_tokens / elapsed, 1)}
 
 
@@ -217,9 +227,9 @@ def main() -> None:
     if args.only_durability:
         result["durability_stub_engine"] = durability_stub(args.quick)
         result["durability_real_engine"] = durability_real(args.quick)
-        log(f"added {result['durability_stub_engine']['added_ms']}, requests/s ratio "
-            f"{result['durability_stub_engine']['requests_per_s_ratio']}, real tok/s ratio "
-            f"{result['durability_real_engine']['ratio']}")
+        log(f"stub: added {result['durability_stub_engine']['added_ms']}, requests/s ratio "
+            f"{result['durability_stub_engine']['requests_per_s_ratio']}; real: added "
+            f"{result['durability_real_engine']['added_ms']}, tok/s ratio {result['durability_real_engine']['ratio']}")
         write_result("durability", args.quick, result)
         return
     port = free_port()

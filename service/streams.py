@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+
 from runtime.outputs import RequestOutput, TokenLogprob
 
 
@@ -42,6 +44,7 @@ class RequestStream:
         self.inter_token_latencies: list[float] = []  # seconds between steps that brought tokens
         self._pending: dict[int, ChoiceDelta] = {}
         self._event = wakeup or asyncio.Event()  # may be shared by the streams of one HTTP request
+        self.on_engine_done: Callable[[], None] | None = None  # called once the engine finished or failed it
 
     # --- producer side (the bridge, on the loop) ----------------------------------------
 
@@ -72,9 +75,11 @@ class RequestStream:
             else:
                 self.inter_token_latencies.append(now - self.last_token_at)
             self.last_token_at = now
+        self._event.set()
         if output.finished:
             self.finished = True
-        self._event.set()
+            if self.on_engine_done is not None:
+                self.on_engine_done()
 
     def close(self, reason: str) -> None:
         """End the stream from the loop side (cancel, disconnect, shutdown)."""
@@ -88,6 +93,8 @@ class RequestStream:
         self.error = error
         self.finished = True
         self._event.set()
+        if self.on_engine_done is not None:
+            self.on_engine_done()
 
     # --- consumer side ------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ class Generation:
                                                               prompt_param=body.prompt_param))
         self.wakeup = asyncio.Event()
         self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
+        for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes
+            stream.on_engine_done = self._on_engine_done
         self.started_at = time.monotonic()
         self.created_at = time.time()
         self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
@@ -102,6 +104,14 @@ class Generation:
         n = self.n
         async for position, pending in follow(self.streams, self.wakeup):
             yield [(position * n + delta.index, delta) for delta in pending]
+
+    def _on_engine_done(self) -> None:
+        """A stream's engine request ended (inside the bridge's delivery): bill once all have."""
+        if self._recorded is None and all(stream.finished for stream in self.streams):
+            try:
+                self.finish()
+            except Exception:  # never break the delivery of other streams; the handler's finish() retries
+                log.exception("billing at the engine's end failed", request_id=self.fmt.response_id)
 
     def usage(self) -> dict:
         return usage_dict(

@@ -10,10 +10,12 @@ The file format, checkpoint and compaction are in service/billing/journal_file.p
 - `append` is synchronous and never waits for the disk or the ledger; it returns a future that
   is done once the record is on disk (fdatasync'd). The service sends a request's last message
   only after that, so an answer a client received is never lost, not even on kill -9.
-- Group commit: the writer takes everything buffered, writes it and fdatasyncs once; records
-  appended meanwhile form the next batch. So a batch is one fsync's worth of arrivals (or
-  `batch_records`), with no timer on the path; `flush_interval_s` > 0 adds a wait for the
-  batch to fill, for disks where each fsync is dear.
+- Group commit: the writer (its own thread, woken by `append` without a trip through the
+  event loop) takes everything buffered, writes it and fdatasyncs once, then hands the
+  batch's futures back to the loop in one callback; records appended meanwhile form the next
+  batch. So a batch is one fsync's worth of arrivals (or `batch_records`), with no timer on
+  the path; `flush_interval_s` > 0 adds a wait for the batch to fill, for disks where each
+  fsync is dear.
 - `start` replays everything after the checkpoint. Replays are safe because the ledger counts a
   request id once (Redis remembers ids for 30 days; SQLite forever).
 - Any ledger error is retried, with backoff up to `max_backoff_s`: the first failure logs an
@@ -26,6 +28,7 @@ The file format, checkpoint and compaction are in service/billing/journal_file.p
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -54,9 +57,12 @@ class UsageJournal:
         self._warn_interval_s = warn_interval_s
         self._compact_bytes = compact_bytes
         self._stop_timeout_s = stop_timeout_s
+        self._lock = threading.Condition()  # guards the buffer below; the writer thread waits on it
         self._buffer = bytearray()  # encoded lines not yet written
         self._num_buffered = 0
         self._waiters: list[asyncio.Future] = []  # one per buffered record: done once it is on disk
+        self._file_lock = threading.Lock()  # a write and a compaction never overlap
+        self._abandoned = False  # stop() timed out: the writer gives up retrying
         self._num_appended = 0  # sequence counters for this object's life, replayed records included
         self._num_applied = 0
         self._running = False
@@ -79,34 +85,36 @@ class UsageJournal:
         if not self._running or self._stopping:
             raise RuntimeError(f"the usage journal {self.path} is not running")
         check_entry(record, cost_pico_usd)
-        durable = asyncio.get_running_loop().create_future()
-        self._buffer += encode(JournalEntry(record, cost_pico_usd)) + b"\n"
-        self._waiters.append(durable)
-        self._num_buffered += 1
+        durable = self._loop.create_future()
+        line = encode(JournalEntry(record, cost_pico_usd)) + b"\n"
+        with self._lock:
+            self._buffer += line
+            self._waiters.append(durable)
+            self._num_buffered += 1
+            self._lock.notify()
         self._num_appended += 1
-        self._has_data.set()
-        if self._num_buffered >= self._batch_records:
-            self._batch_full.set()
         return durable
 
     async def start(self) -> None:
         """Open (or create) the file, queue what the checkpoint says is unapplied, start the tasks."""
         if self._running:
             raise RuntimeError(f"the usage journal {self.path} is already running")
-        self._has_data = asyncio.Event()
-        self._batch_full = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._durable_changed = asyncio.Event()
         self._progress = asyncio.Event()
-        self._file_lock = asyncio.Lock()  # a write and a compaction never overlap
         num_replayed = await asyncio.to_thread(self._file.open)
-        self._buffer.clear()
-        self._waiters = []
-        self._num_buffered = 0
+        with self._lock:
+            self._buffer.clear()
+            self._waiters = []
+            self._num_buffered = 0
         self._num_appended = self._num_applied + num_replayed
-        self._running, self._stopping = True, False
+        self._running, self._stopping, self._abandoned = True, False, False
         if num_replayed:
             log.info("replaying usage journal", path=str(self.path), num_records=num_replayed)
-        self._tasks = [asyncio.create_task(self._write_loop(), name="usage-journal-writer"),
+        writer_done = self._loop.create_future()
+        threading.Thread(target=self._write_thread, args=(writer_done,), name="usage-journal-writer",
+                         daemon=True).start()
+        self._tasks = [asyncio.create_task(_wait_for(writer_done), name="usage-journal-writer"),
                        asyncio.create_task(self._apply_loop(), name="usage-journal-applier")]
         for task in self._tasks:
             task.add_done_callback(self._log_crash)
@@ -115,11 +123,12 @@ class UsageJournal:
         """Write what is buffered, apply what the ledger takes within `timeout`; returns records left pending."""
         if not self._running:
             return self.num_pending
-        self._stopping = True
-        self._has_data.set()
-        self._batch_full.set()
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
         self._durable_changed.set()
         _, not_done = await asyncio.wait(self._tasks, timeout=self._stop_timeout_s if timeout is None else timeout)
+        self._abandoned = True  # a writer still retrying a failing disk stops at its next try
         for task in not_done:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -153,42 +162,66 @@ class UsageJournal:
             log.error("usage journal task failed; records stay in the journal until a restart",
                       path=str(self.path), task=task.get_name(), error=f"{type(error).__name__}: {error}")
 
-    async def _write_loop(self) -> None:
+    def _write_thread(self, done: asyncio.Future) -> None:
+        """The writer: take every buffered line, write + fdatasync, resolve their futures; until stopped."""
         backoff = self._retry_backoff_s
-        while True:
-            await self._has_data.wait()
-            if self._flush_interval_s > 0 and self._num_buffered < self._batch_records and not self._stopping:
+        try:
+            while True:
+                with self._lock:
+                    while not self._buffer and not self._stopping:
+                        self._lock.wait()
+                    if self._flush_interval_s > 0 and not self._stopping:
+                        self._lock.wait_for(lambda: self._num_buffered >= self._batch_records or self._stopping,
+                                            self._flush_interval_s)
+                    if not self._buffer:
+                        return  # stopping, and everything is written
+                    data, num_records, waiters = bytes(self._buffer), self._num_buffered, self._waiters
+                    self._buffer.clear()
+                    self._num_buffered = 0
+                    self._waiters = []
                 try:
-                    await asyncio.wait_for(self._batch_full.wait(), self._flush_interval_s)
-                except TimeoutError:
-                    pass
-            data, num_records, waiters = bytes(self._buffer), self._num_buffered, self._waiters
-            self._buffer.clear()
-            self._num_buffered = 0
-            self._waiters = []
-            self._has_data.clear()
-            self._batch_full.clear()
-            if data:
-                try:
-                    async with self._file_lock:
-                        await asyncio.to_thread(self._file.write, data)
+                    with self._file_lock:
+                        self._file.write(data)
                 except OSError as error:
                     log.error("cannot write the usage journal; retrying", path=str(self.path), error=str(error))
-                    self._buffer[0:0] = data
-                    self._waiters[0:0] = waiters
-                    self._num_buffered += num_records
-                    self._has_data.set()
-                    await asyncio.sleep(backoff)
+                    with self._lock:
+                        self._buffer[0:0] = data
+                        self._waiters[0:0] = waiters
+                        self._num_buffered += num_records
+                    if self._abandoned:
+                        return
+                    time.sleep(backoff)
                     backoff = min(backoff * 2, self._max_backoff_s)
                     continue
                 backoff = self._retry_backoff_s
-                for durable in waiters:
-                    if not durable.done():
-                        durable.set_result(None)
-                self._durable_changed.set()
-            if self._stopping and not self._buffer:
-                self._durable_changed.set()  # lets the applier see that the writer is done
-                return
+                self._on_loop(self._written, waiters)
+        except BaseException as error:
+            self._on_loop(self._writer_ended, done, error)
+            raise
+        else:
+            self._on_loop(self._writer_ended, done, None)
+
+    def _on_loop(self, fn, *args) -> None:
+        """From the writer thread: run fn(*args) on the loop, unless the loop is gone (shut down)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def _writer_ended(self, done: asyncio.Future, error: BaseException | None) -> None:
+        """On the loop: the writer thread returned (stopped) or raised; the applier may finish."""
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+        self._durable_changed.set()
+
+    def _written(self, waiters: list[asyncio.Future]) -> None:
+        """On the loop: a batch is on disk."""
+        for durable in waiters:
+            if not durable.done():
+                durable.set_result(None)
+        self._durable_changed.set()
 
     async def _apply_loop(self) -> None:
         file = self._file
@@ -206,9 +239,12 @@ class UsageJournal:
             self._progress = asyncio.Event()
             await asyncio.to_thread(file.mark_applied, end)
             if file.applied_end - file.header_end >= self._compact_bytes:
-                async with self._file_lock:
-                    await asyncio.to_thread(file.compact)
+                await asyncio.to_thread(self._compact)
                 log.info("compacted the usage journal", path=str(self.path), num_pending=self.num_pending)
+
+    def _compact(self) -> None:
+        with self._file_lock:
+            self._file.compact()
 
     async def _apply(self, entries: list[JournalEntry]) -> None:
         """record_many until the ledger takes the batch, with backoff and rate-limited warnings."""
@@ -239,3 +275,7 @@ class UsageJournal:
                         error=f"{type(error).__name__}: {error}", num_failures=self._num_failures,
                         outage_s=round(now - self._outage_since, 3), num_pending=self.num_pending)
         self._num_failures += 1
+
+
+async def _wait_for(future: asyncio.Future) -> None:
+    await future

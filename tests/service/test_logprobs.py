@@ -5,27 +5,15 @@ token; each chat `bytes` is its token's UTF-8. This holds for JSON and SSE (offs
 counting across chunks), with n > 1, with stop strings (the text cut) and at max_tokens.
 """
 
-import json
 
 import pytest
-import requests
+
+from tests.service.http import json_body, sse_chunks
 
 COMPLETE = {"model": "stories260K", "prompt": "Once upon a time", "temperature": 0}
 CHAT = {"model": "stories260K", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "logprobs": True}
 
 
-def _json(server, path, body) -> dict:
-    response = requests.post(server.url + path, json=body, timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _chunks(server, path, body) -> list[dict]:
-    response = requests.post(server.url + path, json=body | {"stream": True}, timeout=30)
-    assert response.status_code == 200, response.text
-    events = [block.removeprefix("data: ") for block in response.content.decode("utf-8").split("\n\n") if block]
-    assert events[-1] == "[DONE]"
-    return [json.loads(event) for event in events[:-1]]
 
 
 def _check_completion(choice: dict) -> None:
@@ -59,7 +47,7 @@ def _merge_completion_stream(chunks: list[dict]) -> dict[int, dict]:
 
 
 def test_bug_report_case_tokens_spell_the_text(server):
-    body = _json(server, "/v1/completions", COMPLETE | {"max_tokens": 5, "logprobs": 0})
+    body = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": 5, "logprobs": 0})
     choice = body["choices"][0]
     assert choice["text"].startswith(", there was")
     _check_completion(choice)
@@ -74,13 +62,13 @@ def test_bug_report_case_tokens_spell_the_text(server):
 @pytest.mark.parametrize("prompt", ["Once upon a time", ""])  # "": the first token starts the text, no space
 def test_completion_top_logprobs_name_the_greedy_choice_as_in_the_text(server, prompt):
     body = COMPLETE | {"prompt": prompt, "max_tokens": 12, "logprobs": 3}
-    logprobs = _json(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    logprobs = json_body(server, "/v1/completions", body)["choices"][0]["logprobs"]
     for token, chosen, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
         assert len(top) == 3 and top[token] == max(top.values()) == chosen <= 0
 
 
 def test_max_tokens_reached_gives_one_token_per_completion_token(server):
-    body = _json(server, "/v1/completions", COMPLETE | {"max_tokens": 40, "logprobs": 1, "ignore_eos": True})
+    body = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": 40, "logprobs": 1, "ignore_eos": True})
     choice = body["choices"][0]
     _check_completion(choice)
     assert choice["finish_reason"] == "length"
@@ -88,7 +76,7 @@ def test_max_tokens_reached_gives_one_token_per_completion_token(server):
 
 
 def test_n_choices_each_spell_their_text(server):
-    body = _json(server, "/v1/completions", COMPLETE | {"max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 3,
+    body = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 3,
                                                         "logprobs": 2})
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for choice in body["choices"]:
@@ -100,7 +88,7 @@ def test_n_choices_each_spell_their_text(server):
     (" was", ", there", [",", " there", ""]),  # " was" is cut whole: its token stays, with no text
 ])
 def test_stop_string_cuts_the_tokens_with_the_text(server, stop, text, tokens):
-    body = _json(server, "/v1/completions", COMPLETE | {"max_tokens": 10, "logprobs": 0, "stop": stop})
+    body = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": 10, "logprobs": 0, "stop": stop})
     choice = body["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (text, "stop")
     _check_completion(choice)
@@ -113,9 +101,9 @@ def test_stop_string_cuts_the_tokens_with_the_text(server, stop, text, tokens):
 ])
 def test_completion_stream_offsets_count_across_chunks(server, extra, finish):
     body = COMPLETE | {"max_tokens": 24, "logprobs": 1} | extra
-    chunks = _chunks(server, "/v1/completions", body)
+    chunks = sse_chunks(server, "/v1/completions", body)
     streamed = _merge_completion_stream(chunks)
-    whole = {c["index"]: c for c in _json(server, "/v1/completions", body)["choices"]}
+    whole = {c["index"]: c for c in json_body(server, "/v1/completions", body)["choices"]}
     assert sorted(streamed) == sorted(whole)
     for index, choice in streamed.items():
         _check_completion(choice)
@@ -128,7 +116,7 @@ def test_completion_stream_offsets_count_across_chunks(server, extra, finish):
 
 
 def test_chat_tokens_spell_the_content_and_bytes_are_utf8(server):
-    body = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": 20, "top_logprobs": 2})
+    body = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": 20, "top_logprobs": 2})
     choice = body["choices"][0]
     entries = choice["logprobs"]["content"]
     _check_chat(choice["message"]["content"], entries)
@@ -140,16 +128,16 @@ def test_chat_tokens_spell_the_content_and_bytes_are_utf8(server):
 
 
 def test_chat_with_a_stop_string(server):
-    whole = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": 20})["choices"][0]["message"]["content"]
+    whole = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": 20})["choices"][0]["message"]["content"]
     stop = whole[3:6]  # cut inside the text; the stop string is not in what comes back
-    choice = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": 20, "stop": stop})["choices"][0]
+    choice = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": 20, "stop": stop})["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == whole[: whole.index(stop)]
     _check_chat(choice["message"]["content"], choice["logprobs"]["content"])
 
 
 def test_chat_n_choices_each_spell_their_content(server):
-    body = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": 25, "temperature": 1.0, "seed": 5, "n": 3})
+    body = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": 25, "temperature": 1.0, "seed": 5, "n": 3})
     for choice in body["choices"]:
         _check_chat(choice["message"]["content"], choice["logprobs"]["content"])
 
@@ -158,11 +146,11 @@ def test_chat_stream_tokens_spell_the_streamed_content(server):
     body = CHAT | {"max_tokens": 20, "n": 2, "top_logprobs": 1, "temperature": 1.0, "seed": 2}
     content: dict[int, str] = {}
     entries: dict[int, list] = {}
-    for chunk in _chunks(server, "/v1/chat/completions", body):
+    for chunk in sse_chunks(server, "/v1/chat/completions", body):
         for choice in chunk["choices"]:
             content[choice["index"]] = content.get(choice["index"], "") + choice["delta"]["content"]
             entries.setdefault(choice["index"], []).extend(choice["logprobs"]["content"])
-    whole = _json(server, "/v1/chat/completions", body)["choices"]
+    whole = json_body(server, "/v1/chat/completions", body)["choices"]
     assert sorted(content) == [0, 1]
     for choice in whole:
         index = choice["index"]

@@ -16,6 +16,8 @@ import requests
 import websockets
 from jsonschema import Draft202012Validator
 
+from tests.service.http import json_body, post, sse_chunks
+
 INT, NUM, STR = {"type": "integer"}, {"type": "number"}, {"type": "string"}
 NULLABLE_STR = {"type": ["string", "null"]}
 CHAT_FINISH = ["stop", "length", "tool_calls", "content_filter", "function_call"]
@@ -82,23 +84,7 @@ def _check(instance, schema) -> None:
     assert not errors, f"{errors}\n{json.dumps(instance)[:2000]}"
 
 
-def _post(server, path, body) -> requests.Response:
-    return requests.post(server.url + path, json=body, timeout=30)
 
-
-def _json(server, path, body) -> dict:
-    response = _post(server, path, body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _chunks(server, path, body) -> list[dict]:
-    """The JSON events of an SSE stream, which must end with data: [DONE]."""
-    response = _post(server, path, body | {"stream": True})
-    assert response.status_code == 200, response.text
-    events = [block.removeprefix("data: ") for block in response.content.decode("utf-8").split("\n\n") if block]
-    assert events[-1] == "[DONE]"
-    return [json.loads(event) for event in events[:-1]]
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
@@ -107,18 +93,18 @@ def test_our_schemas_are_valid_json_schemas(schema):
 
 
 def test_chat_json(server):
-    _check(_json(server, "/v1/chat/completions", CHAT | {"n": 2}), CHAT_COMPLETION)
+    _check(json_body(server, "/v1/chat/completions", CHAT | {"n": 2}), CHAT_COMPLETION)
 
 
 def test_chat_json_with_logprobs_and_top_logprobs(server):
-    body = _json(server, "/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 3})
+    body = json_body(server, "/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 3})
     _check(body, CHAT_COMPLETION)
     entries = body["choices"][0]["logprobs"]["content"]
     assert len(entries) == 6 and all(len(entry["top_logprobs"]) == 3 for entry in entries)
 
 
 def test_chat_sse_without_usage(server):
-    chunks = _chunks(server, "/v1/chat/completions", CHAT | {"n": 2, "logprobs": True})
+    chunks = sse_chunks(server, "/v1/chat/completions", CHAT | {"n": 2, "logprobs": True})
     for chunk in chunks:
         _check(chunk, CHAT_CHUNK)
         assert "usage" not in chunk
@@ -126,7 +112,7 @@ def test_chat_sse_without_usage(server):
 
 
 def test_chat_sse_with_usage(server):
-    chunks = _chunks(server, "/v1/chat/completions", CHAT | {"n": 2, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(server, "/v1/chat/completions", CHAT | {"n": 2, "stream_options": {"include_usage": True}})
     for chunk in chunks:
         _check(chunk, CHAT_CHUNK)
     assert all(chunk["usage"] is None for chunk in chunks[:-1])
@@ -134,13 +120,13 @@ def test_chat_sse_with_usage(server):
 
 
 def test_completions_json_with_logprobs(server):
-    body = _json(server, "/v1/completions", COMPLETE | {"n": 2, "logprobs": 2})
+    body = json_body(server, "/v1/completions", COMPLETE | {"n": 2, "logprobs": 2})
     _check(body, COMPLETION)
     assert [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [6, 6]
 
 
 def test_completions_json_without_logprobs(server):
-    body = _json(server, "/v1/completions", COMPLETE)
+    body = json_body(server, "/v1/completions", COMPLETE)
     _check(body, COMPLETION)
     assert body["choices"][0]["logprobs"] is None
 
@@ -148,7 +134,7 @@ def test_completions_json_without_logprobs(server):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_completions_sse(server, include_usage):
     extra = {"stream_options": {"include_usage": True}} if include_usage else {}
-    chunks = _chunks(server, "/v1/completions", COMPLETE | {"n": 2, "logprobs": 1} | extra)
+    chunks = sse_chunks(server, "/v1/completions", COMPLETE | {"n": 2, "logprobs": 1} | extra)
     for chunk in chunks:
         _check(chunk, COMPLETION_CHUNK)
         assert ("usage" in chunk) == include_usage
@@ -164,7 +150,7 @@ def test_list_models(server):
 
 
 def test_error_body_of_a_400(server):
-    response = _post(server, "/v1/chat/completions", CHAT | {"max_tokens": "5"})
+    response = post(server, "/v1/chat/completions", CHAT | {"max_tokens": "5"})
     assert response.status_code == 400
     _check(response.json(), ERROR)
     assert response.json()["error"]["param"] == "max_tokens"
@@ -172,7 +158,7 @@ def test_error_body_of_a_400(server):
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT | {"model": "gpt-9"}), ("/v1/nothing", CHAT)])
 def test_error_body_of_a_404(server, path, body):
-    response = _post(server, path, body)
+    response = post(server, path, body)
     assert response.status_code == 404
     _check(response.json(), ERROR)
 

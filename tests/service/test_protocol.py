@@ -6,39 +6,23 @@ only the most probable token; `max_tokens: 0` generates nothing (finish_reason "
 the prompt still counted).
 """
 
-import json
 
 import pytest
-import requests
 
 from tests.service.conftest import run_server, stories_settings
+from tests.service.http import json_body, post, sse_chunks
 
 COMPLETE = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8, "seed": 4}
 CHAT = {"model": "stories260K", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "seed": 4}
 GREEDY = {"temperature": 0}
 
 
-def _post(server, path, body, timeout=30) -> requests.Response:
-    return requests.post(server.url + path, json=body, timeout=timeout)
 
-
-def _json(server, path, body) -> dict:
-    response = _post(server, path, body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _chunks(server, path, body) -> list[dict]:
-    response = _post(server, path, body | {"stream": True})
-    assert response.status_code == 200, response.text
-    events = [block.removeprefix("data: ") for block in response.content.decode("utf-8").split("\n\n") if block]
-    assert events[-1] == "[DONE]"
-    return [json.loads(event) for event in events[:-1]]
 
 
 def _result(server, path, body) -> tuple[list[dict], dict]:
     """What must match between two equivalent requests: the choices and the usage (not the id or time)."""
-    response = _json(server, path, body)
+    response = json_body(server, path, body)
     return response["choices"], response["usage"]
 
 
@@ -80,17 +64,17 @@ def test_null_prompt_is_the_empty_document(server):
 
 
 def test_null_max_tokens_is_16_for_completions(server):
-    usage = _json(server, "/v1/completions", COMPLETE | {"max_tokens": None, "ignore_eos": True})["usage"]
+    usage = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": None, "ignore_eos": True})["usage"]
     assert usage["completion_tokens"] == 16
 
 
 def test_null_max_tokens_is_the_rest_of_the_context_for_chat(server):
-    usage = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": None, "ignore_eos": True})["usage"]
+    usage = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": None, "ignore_eos": True})["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == server.state.engine.max_model_len
 
 
 def test_null_include_usage_sends_no_usage_chunk(server):
-    chunks = _chunks(server, "/v1/completions", COMPLETE | {"stream_options": {"include_usage": None}})
+    chunks = sse_chunks(server, "/v1/completions", COMPLETE | {"stream_options": {"include_usage": None}})
     assert chunks and all("usage" not in chunk and chunk["choices"] for chunk in chunks)
 
 
@@ -129,7 +113,7 @@ def test_whole_float_is_that_integer(server, path, base, field, whole, integer):
     ("/v1/chat/completions", CHAT, "logprobs", 1.0, "logprobs"),
 ])
 def test_non_whole_float_or_string_is_a_400_naming_the_field(server, path, base, field, value, param):
-    response = _post(server, path, base | {field: value})
+    response = post(server, path, base | {field: value})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
@@ -141,13 +125,13 @@ def test_non_whole_float_or_string_is_a_400_naming_the_field(server, path, base,
 ])
 def test_top_p_zero_is_greedy(server, path, base, text):
     body = base | {"max_tokens": 20, "ignore_eos": True}
-    greedy = text(_json(server, path, body | GREEDY)["choices"][0])
-    choices = _json(server, path, body | {"temperature": 1.5, "top_p": 0, "n": 4, "seed": 9})["choices"]
+    greedy = text(json_body(server, path, body | GREEDY)["choices"][0])
+    choices = json_body(server, path, body | {"temperature": 1.5, "top_p": 0, "n": 4, "seed": 9})["choices"]
     assert [text(choice) for choice in choices] == [greedy] * 4
 
 
 def test_max_tokens_zero_completion_json(server):
-    body = _json(server, "/v1/completions", COMPLETE | {"max_tokens": 0, "logprobs": 1})
+    body = json_body(server, "/v1/completions", COMPLETE | {"max_tokens": 0, "logprobs": 1})
     assert body["choices"] == [{"index": 0, "text": "", "finish_reason": "length", "logprobs": {
         "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}}]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5,
@@ -155,7 +139,7 @@ def test_max_tokens_zero_completion_json(server):
 
 
 def test_max_tokens_zero_completion_sse(server):
-    chunks = _chunks(server, "/v1/completions", COMPLETE | {"max_tokens": 0, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(server, "/v1/completions", COMPLETE | {"max_tokens": 0, "stream_options": {"include_usage": True}})
     assert [chunk["choices"] for chunk in chunks] == [
         [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}], []]
     assert chunks[0]["usage"] is None
@@ -165,8 +149,8 @@ def test_max_tokens_zero_completion_sse(server):
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_max_tokens_zero_chat_json(server, field):
-    prompt_tokens = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": 1})["usage"]["prompt_tokens"]
-    body = _json(server, "/v1/chat/completions", CHAT | {"max_tokens": None, field: 0})
+    prompt_tokens = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": 1})["usage"]["prompt_tokens"]
+    body = json_body(server, "/v1/chat/completions", CHAT | {"max_tokens": None, field: 0})
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "", "refusal": None},
                                 "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
@@ -174,7 +158,7 @@ def test_max_tokens_zero_chat_json(server, field):
 
 
 def test_max_tokens_zero_chat_sse(server):
-    chunks = _chunks(server, "/v1/chat/completions", CHAT | {"max_tokens": 0, "logprobs": True})
+    chunks = sse_chunks(server, "/v1/chat/completions", CHAT | {"max_tokens": 0, "logprobs": True})
     assert [chunk["choices"] for chunk in chunks] == [[{
         "index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
         "logprobs": {"content": [], "refusal": None}, "finish_reason": "length"}]]
@@ -182,7 +166,7 @@ def test_max_tokens_zero_chat_sse(server):
 
 def test_max_tokens_zero_with_n_2_gives_two_empty_choices(stories_dir):
     with run_server(stories_settings(stories_dir)) as own:
-        body = _post(own, "/v1/completions", COMPLETE | {"max_tokens": 0, "n": 2}, timeout=3).json()
+        body = post(own, "/v1/completions", COMPLETE | {"max_tokens": 0, "n": 2}, timeout=3).json()
         assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
             (0, "", "length"), (1, "", "length")]
         assert body["usage"]["completion_tokens"] == 0

@@ -1,6 +1,6 @@
 """Tokenizers: a checkpoint's tokenizer.json (via `tokenizers`), or the demo byte tokenizer.
 
-Both answer the same calls: encode, decode, bos/eos ids, vocab_size, apply_chat_template.
+Both answer the same calls: encode, decode, raw_byte, bos/eos ids, vocab_size, apply_chat_template.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def raw_byte(self, token_id: int) -> int | None:
+        """The byte a byte-fallback token ("<0xE6>") stands for; None for any other token."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return int(piece[3:5], 16)
+            except ValueError:
+                return None
+        return None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the chat prompt; a real template carries its own special tokens."""
         text = self.chat_template.render(messages, add_generation_prompt)
@@ -72,6 +82,10 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def raw_byte(self, token_id: int) -> int | None:
+        """Ids 0..255 are bytes; None for <bos> and <eos>."""
+        return token_id if token_id < 256 else None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytearray()

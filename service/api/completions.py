@@ -91,8 +91,10 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
         await response.write(_event(from_exception(exc).body()))
     try:
         await generation.usage_recorded()  # the stream's end goes out only once its bill is on disk
-    except APIError as exc:
+    except APIError as exc:  # no usage chunk and no [DONE]: the client sees the answer did not complete
         await response.write(_event(exc.body()))
+        await response.write_eof()
+        return response
     if include_usage:
         await response.write(_event(fmt.chunk([], generation.usage(), True)))
     await response.write(b"data: [DONE]\n\n")

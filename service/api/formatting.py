@@ -4,7 +4,8 @@ Logprobs: the chosen token's string is the engine's share of the output text for
 (runtime.outputs.TokenLogprob), so a choice's tokens, joined, spell its text and every
 `text_offset` points at its token. Among the top alternatives the chosen token reads the same
 (so `top_logprobs[i][tokens[i]]` finds it); the others (never in the text) are each token
-decoded after a plain one, so a word-start token keeps its leading space.
+decoded after a plain one, so a word-start token keeps its leading space. Chat `bytes` are
+a token's own bytes: one byte for a byte-fallback token, else the UTF-8 of its string.
 """
 
 from __future__ import annotations
@@ -54,10 +55,20 @@ class ResponseFormat:
             self._pieces[token_id] = piece
         return piece
 
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes: a byte-fallback token's one byte (so a character split across
+        tokens has its bytes spread over them, and all of them joined are the text's UTF-8), else
+        the UTF-8 of its text."""
+        raw = self.tokenizer.raw_byte(token_id)
+        return [raw] if raw is not None else list(text.encode())
+
+    def _top_with_ids(self, token: TokenLogprob) -> list[tuple[int, str, float]]:
+        best = sorted(token.logprobs.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
+        return [(tid, token.text if tid == token.token_id else self.alternative_text(tid), lp) for tid, lp in best]
+
     def _top(self, token: TokenLogprob) -> list[tuple[str, float]]:
         """The most probable alternatives as (string, logprob), best first; the chosen one as in the text."""
-        best = sorted(token.logprobs.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
-        return [(token.text if tid == token.token_id else self.alternative_text(tid), lp) for tid, lp in best]
+        return [(text, lp) for _, text, lp in self._top_with_ids(token)]
 
     def sse_event(self, choices: list[dict], include_usage: bool) -> bytes:
         """`data: {chunk}\n\n` for these choices; the constant head and tail are encoded once."""
@@ -89,9 +100,11 @@ class ChatFormat(ResponseFormat):
         content = []
         for token in tokens:
             content.append({
-                "token": token.text, "logprob": token.logprobs[token.token_id], "bytes": list(token.text.encode()),
+                "token": token.text, "logprob": token.logprobs[token.token_id],
+                "bytes": self.token_bytes(token.token_id, token.text),
                 "top_logprobs": [
-                    {"token": text, "logprob": lp, "bytes": list(text.encode())} for text, lp in self._top(token)
+                    {"token": text, "logprob": lp, "bytes": self.token_bytes(tid, text)}
+                    for tid, text, lp in self._top_with_ids(token)
                 ],
             })
         return {"content": content, "refusal": None}

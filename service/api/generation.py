@@ -59,6 +59,7 @@ class Generation:
         self.created_at = time.time()
         self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
         self._recorded: asyncio.Future | None = None  # finish()'s: done once the usage records are on disk
+        self._finishing = False
         self.num_sequences = len(prompts) * self.n
 
     async def admit(self) -> None:
@@ -130,6 +131,9 @@ class Generation:
         """
         if self._recorded is not None:
             return self._recorded
+        if self._finishing:  # an earlier call raised part way: never bill (or release) twice
+            return _failed(RuntimeError(f"billing of {self.fmt.response_id} failed part way"))
+        self._finishing = True
         elapsed = time.monotonic() - self.started_at
         finished_at = time.time()
         state = self.state
@@ -176,12 +180,12 @@ class Generation:
         recorded = self.finish()
         if not self.state.settings.server.reply_after_usage_on_disk:
             return
-        try:  # no shield: cancelling this wait leaves the journal's write as it is
-            async with asyncio.timeout(self.state.settings.server.usage_write_timeout_s):
-                await recorded
-        except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
+        if not recorded.done():  # asyncio.wait never cancels `recorded`, even when this task is cancelled
+            await asyncio.wait([recorded], timeout=self.state.settings.server.usage_write_timeout_s)
+        error = None if not recorded.done() or recorded.cancelled() else recorded.exception()
+        if not recorded.done() or recorded.cancelled() or error is not None:
             raise APIError(503, "the usage record of this request could not be written; retry shortly", None,
-                           "usage_not_recorded", {"Retry-After": "5"}) from exc
+                           "usage_not_recorded", {"Retry-After": "5"}) from error
 
     def _note_unrecorded(self, recorded: asyncio.Future) -> None:
         if not recorded.cancelled() and recorded.exception() is not None:

@@ -63,6 +63,8 @@ class UsageJournal:
         self._waiters: list[asyncio.Future] = []  # one per buffered record: done once it is on disk
         self._file_lock = threading.Lock()  # a write and a compaction never overlap
         self._abandoned = False  # stop() timed out: the writer gives up retrying
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None  # the writer thread died: append refuses
         self._num_appended = 0  # sequence counters for this object's life, replayed records included
         self._num_applied = 0
         self._running = False
@@ -82,7 +84,7 @@ class UsageJournal:
 
         Raises ValueError for an invalid record, RuntimeError when the journal is not running.
         """
-        if not self._running or self._stopping:
+        if not self._running or self._stopping or self._writer_error is not None:
             raise RuntimeError(f"the usage journal {self.path} is not running")
         check_entry(record, cost_pico_usd)
         durable = self._loop.create_future()
@@ -112,8 +114,10 @@ class UsageJournal:
         if num_replayed:
             log.info("replaying usage journal", path=str(self.path), num_records=num_replayed)
         writer_done = self._loop.create_future()
-        threading.Thread(target=self._write_thread, args=(writer_done,), name="usage-journal-writer",
-                         daemon=True).start()
+        self._writer_error = None
+        self._writer = threading.Thread(target=self._write_thread, args=(writer_done,), name="usage-journal-writer",
+                                        daemon=True)
+        self._writer.start()
         self._tasks = [asyncio.create_task(_wait_for(writer_done), name="usage-journal-writer"),
                        asyncio.create_task(self._apply_loop(), name="usage-journal-applier")]
         for task in self._tasks:
@@ -128,15 +132,20 @@ class UsageJournal:
             self._lock.notify()
         self._durable_changed.set()
         _, not_done = await asyncio.wait(self._tasks, timeout=self._stop_timeout_s if timeout is None else timeout)
-        self._abandoned = True  # a writer still retrying a failing disk stops at its next try
+        with self._lock:
+            self._abandoned = True  # a writer still retrying a failing disk gives up now
+            self._lock.notify()
         for task in not_done:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self._writer.join, 10.0)
         self._running = False
-        for durable in self._waiters:  # nobody waits forever on a record the writer never wrote
-            if not durable.done():
-                durable.set_exception(RuntimeError(f"the usage journal {self.path} stopped before writing the record"))
-        await asyncio.to_thread(self._file.close)
+        with self._lock:
+            self._fail_waiters(RuntimeError(f"the usage journal {self.path} stopped before writing the record"))
+        if self._writer.is_alive():  # stuck in a write that never returns: leave the file to it
+            log.error("usage journal writer did not stop; its file stays open", path=str(self.path))
+        else:
+            await asyncio.to_thread(self._file.close)
         if self._num_buffered:
             log.error("usage journal stopped with records not written", path=str(self.path),
                       num_records=self._num_buffered)
@@ -188,9 +197,10 @@ class UsageJournal:
                         self._buffer[0:0] = data
                         self._waiters[0:0] = waiters
                         self._num_buffered += num_records
-                    if self._abandoned:
-                        return
-                    time.sleep(backoff)
+                        if not self._abandoned:
+                            self._lock.wait(backoff)  # stop() wakes it
+                        if self._abandoned:
+                            return
                     backoff = min(backoff * 2, self._max_backoff_s)
                     continue
                 backoff = self._retry_backoff_s
@@ -209,12 +219,27 @@ class UsageJournal:
             pass
 
     def _writer_ended(self, done: asyncio.Future, error: BaseException | None) -> None:
-        """On the loop: the writer thread returned (stopped) or raised; the applier may finish."""
+        """On the loop: the writer thread returned (stopped) or raised; the applier may finish.
+
+        A writer that raised leaves the journal refusing appends (a 503 at once for the
+        requests, rather than each waiting out its timeout) and fails what it held.
+        """
         if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(None)
+            self._writer_error = error
+            with self._lock:
+                self._fail_waiters(RuntimeError(f"the usage journal {self.path} writer failed: {error!r}"))
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
         self._durable_changed.set()
+
+    def _fail_waiters(self, error: Exception) -> None:
+        """Fail every buffered record's future (call with the lock held)."""
+        for durable in self._waiters:
+            if not durable.done():
+                durable.set_exception(error)
 
     def _written(self, waiters: list[asyncio.Future]) -> None:
         """On the loop: a batch is on disk."""

@@ -213,3 +213,22 @@ def test_usage_counts_a_request_as_soon_as_its_answer_arrived(server):
         assert after["requests"] - before["requests"] == 1, stream
         assert after["completion_tokens"] - before["completion_tokens"] == usage["completion_tokens"] == 7
         assert after["prompt_tokens"] - before["prompt_tokens"] == usage["prompt_tokens"]
+
+
+def test_an_answer_whose_usage_cannot_be_written_does_not_complete(stories_dir):
+    """JSON: a 503 instead of the body; SSE: an error event and no [DONE]; nothing hangs."""
+    from tests.service.conftest import run_server, stories_settings
+
+    with run_server(stories_settings(stories_dir, server={"usage_write_timeout_s": 0.5})) as server:
+        def broken_write(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        server.state.journal._file.write = broken_write
+        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        whole = requests.post(server.url + "/v1/completions", json=body, timeout=30)
+        streamed = requests.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+        events = [line for line in streamed.content.split(b"\n\n") if line]
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "usage_not_recorded"
+    assert whole.headers["Retry-After"] == "5"
+    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "usage_not_recorded"
+    assert b"data: [DONE]" not in events

@@ -308,3 +308,44 @@ def test_redis_crash_after_applying_a_batch_before_the_reply_counts_it_once(
     num_calls, totals = asyncio.run(main())
     assert num_calls == 5  # batch 3 sent twice
     assert totals == expected_totals(range(40))
+
+
+def test_append_futures_are_done_once_the_record_is_on_disk(tmp_path):
+    async def main():
+        ledger = SQLiteLedger(tmp_path / "ledger.db")
+        journal = UsageJournal(tmp_path / "usage.jsonl", ledger, retry_backoff_s=0.005)
+        await journal.start()
+        futures = [journal.append(usage(i), 1000 + i) for i in range(5)]
+        await asyncio.wait_for(asyncio.gather(*futures), 5)
+        on_disk = [msgspec.json.decode(line)["record"]["request_id"] for line in journal_lines(journal.path)[1:]]
+        await journal.stop()
+        await ledger.close()
+        return on_disk
+
+    assert asyncio.run(main()) == [f"req-{i}" for i in range(5)]
+
+
+def test_a_disk_that_keeps_failing_fails_the_futures_at_stop_and_nothing_hangs(tmp_path):
+    async def main():
+        ledger = SQLiteLedger(tmp_path / "ledger.db")
+        journal = UsageJournal(tmp_path / "usage.jsonl", ledger, retry_backoff_s=0.01, max_backoff_s=0.02,
+                               stop_timeout_s=0.2)
+        await journal.start()
+
+        def broken_write(data: bytes) -> None:
+            raise OSError(5, "Input/output error")
+
+        journal._file.write = broken_write
+        future = journal.append(usage(1), 1001)
+        await asyncio.sleep(0.1)
+        not_yet = future.done()
+        started = time.monotonic()
+        pending = await journal.stop()
+        stopped_in = time.monotonic() - started
+        await ledger.close()
+        return not_yet, future, pending, stopped_in, journal._writer.is_alive()
+
+    not_yet, future, pending, stopped_in, writer_alive = asyncio.run(main())
+    assert not not_yet and pending == 1
+    assert isinstance(future.exception(), RuntimeError) and "stopped before writing" in str(future.exception())
+    assert stopped_in < 3 and not writer_alive

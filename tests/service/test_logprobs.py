@@ -157,3 +157,27 @@ def test_chat_stream_tokens_spell_the_streamed_content(server):
         _check_chat(content[index], entries[index])
         assert content[index] == choice["message"]["content"]
         assert [e["token"] for e in entries[index]] == [e["token"] for e in choice["logprobs"]["content"]]
+
+
+def test_a_character_split_across_byte_tokens_spreads_its_bytes_over_them(stories_dir):
+    """Formatting alone, on stories260K's tokenizer: "日" is three byte-fallback tokens."""
+    from runtime.detokenizer import IncrementalDetokenizer
+    from runtime.outputs import TokenLogprob
+    from runtime.tokenizer import HFTokenizer
+    from service.api.formatting import ChatFormat
+
+    tokenizer = HFTokenizer(stories_dir)
+    prompt = tokenizer.encode("Once")
+    output = tokenizer.encode("日 a", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    for token_id in output:
+        detokenizer.append(token_id)
+    detokenizer.take_new_text(finished=True)
+    texts = detokenizer.take_token_texts(finished=True)
+    tokens = [TokenLogprob(t, text, {t: -0.5}) for t, text in zip(output, texts)]
+    content = ChatFormat("chatcmpl-x", 0, "stories260K", tokenizer, 0).logprobs(tokens)["content"]
+    assert "".join(entry["token"] for entry in content) == detokenizer.text == " 日 a"  # SentencePiece's space
+    byte_tokens = [entry for t, entry in zip(output, content) if tokenizer.raw_byte(t) is not None]
+    assert [entry["bytes"] for entry in byte_tokens] == [[b] for b in "日".encode()]
+    assert [entry["token"] for entry in byte_tokens] == ["", "", "日"]  # the last byte completes it
+    assert bytes(b for entry in content for b in entry["bytes"]) == " 日 a".encode()

@@ -78,6 +78,21 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
         for r in overhead["rows"]:
             out.append((f"engine overhead, {r['model']}, batch {r['batch']}", f"{r['overhead_pct']}% of "
                         f"{r['step_ms']:.1f} ms", "goal < 10%", "met" if r["overhead_pct"] < 10 else "not met"))
+    service = load("service", quick) or {}
+    durability = service if "durability_real_engine" in service else (load("durability", quick) or {})
+    if durability:
+        real, stub = durability["durability_real_engine"], durability["durability_stub_engine"]
+        on, off = real["median"]["durable"], real["median"]["reply_first"]
+        added = real["added_ms"]["last_token_to_done_ms_p99"]
+        out.append(("durable billing, real engine, 64 streams: last token -> [DONE] p50 / p99 (ms), vs reply first",
+                    f"{on['last_token_to_done_ms_p50']} / {on['last_token_to_done_ms_p99']}",
+                    f"{off['last_token_to_done_ms_p50']} / {off['last_token_to_done_ms_p99']}",
+                    f"+{added} ms p99: goal < 5 ms {'met' if added < 5 else 'not met'}"))
+        out.append(("durable billing, real engine, 64 streams: output tok/s, vs reply first",
+                    f"{on['output_tokens_per_s']:.0f}", f"{off['output_tokens_per_s']:.0f}", f"x{real['ratio']}"))
+        out.append(("durable billing, stub engine (saturated loop): final message p50 (ms), vs reply first",
+                    f"{stub['median']['durable']['sse_final_ms_p50']}", f"{stub['median']['reply_first']['sse_final_ms_p50']}",
+                    f"+{stub['added_ms']['sse_final_ms_p50']} ms; requests/s x{stub['requests_per_s_ratio']}"))
     return out
 
 

@@ -111,7 +111,7 @@ class Generation:
         if self._recorded is None and all(stream.finished for stream in self.streams):
             try:
                 self.finish()
-            except Exception:  # never break the delivery of other streams; the handler's finish() retries
+            except Exception:  # never break the delivery of other streams; the handler then answers 503
                 log.exception("billing at the engine's end failed", request_id=self.fmt.response_id)
 
     def usage(self) -> dict:
@@ -190,7 +190,6 @@ class Generation:
     def _note_unrecorded(self, recorded: asyncio.Future) -> None:
         if not recorded.cancelled() and recorded.exception() is not None:
             log.error("usage records not on disk", request_id=self.fmt.response_id, error=str(recorded.exception()))
-
 
     async def _release(self, total_tokens: int) -> None:
         try:

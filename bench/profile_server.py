@@ -35,7 +35,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from common import free_port, log, machine_info, make_random_llama, start_process, stop_process, wait_http, write_result
+from common import (free_port, log, machine_info, make_random_llama, pin_threads, start_process, stop_process,
+                    wait_http, write_result)
 
 import aiohttp  # noqa: E402
 
@@ -138,10 +139,8 @@ def categorize(kind: str, frames: list[str]) -> str:
 
 def profile_steps(model: Path, num_seqs: int = 64, num_steps: int = 10) -> dict:
     """torch.profiler over `num_steps` decode steps of `num_seqs` sequences: self CPU ms per step, by operator."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from common import pin_threads
     from runtime import Engine, SamplingParams
 
     pin_threads()
@@ -159,7 +158,6 @@ def profile_steps(model: Path, num_seqs: int = 64, num_steps: int = 10) -> dict:
         step_ms = 1e3 * (time.perf_counter() - start) / num_steps
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     ops = {e.key: round(e.self_cpu_time_total / 1e3 / num_steps, 3) for e in rows[:15]}
-    del torch
     return {"num_seqs": num_seqs, "context": 128, "num_steps": num_steps, "step_ms_profiled": round(step_ms, 3),
             "self_cpu_ms_per_step": ops}
 

@@ -24,6 +24,7 @@ SCRIPTS = {
     "engine": "bench_engine.py",
     "serving": "bench_serving.py",
     "service": "bench_service.py",
+    "profile_server": "profile_server.py",
 }
 
 

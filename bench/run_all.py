@@ -25,6 +25,7 @@ SCRIPTS = {
     "serving": "bench_serving.py",
     "service": "bench_service.py",
     "profile_server": "profile_server.py",
+    "vllm": "bench_vllm.py",
 }
 
 

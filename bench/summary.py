@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from common import result_path
+from common import median, result_path
 
 
 def load(name: str, quick: bool) -> dict | None:
@@ -78,6 +78,12 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
         for r in overhead["rows"]:
             out.append((f"engine overhead, {r['model']}, batch {r['batch']}", f"{r['overhead_pct']}% of "
                         f"{r['step_ms']:.1f} ms", "goal < 10%", "met" if r["overhead_pct"] < 10 else "not met"))
+    vllm = load("vllm_offline", quick)
+    if vllm:
+        for name, row in vllm["summary"].items():
+            out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, {name} load",
+                        f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
+                        f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
     service = load("service", quick) or {}
     durability = service if "durability_real_engine" in service else (load("durability", quick) or {})
     if durability:

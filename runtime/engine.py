@@ -63,8 +63,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
-        self._finished_early: list[Request] = []  # max_tokens=0: finished at add, reported by the next step
+        self._ended: list[Request] = []  # ended outside a step (aborted; max_tokens=0): the next step reports them
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
         self._ids = itertools.count()
         log.info(
@@ -96,7 +95,7 @@ class Engine:
         net = load_model(config, model_dir, device, dtype, show_progress=show_progress)
         return cls(net, HFTokenizer(model_dir), settings, model_dir.name)
 
-    # --- requests: validated once (prepare_request), then queued (add) --------------------------------------------------------------
+    # --- requests: validated once (prepare_request), then queued (add) ----------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through.
@@ -163,7 +162,7 @@ class Engine:
                 sample.status, sample.finish_reason = SequenceStatus.FINISHED, "length"
             request.fork_pending = False
             request.num_cached_tokens = 0
-            self._finished_early.append(request)
+            self._ended.append(request)
             return
         self.scheduler.add(seq)
 
@@ -200,13 +199,13 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
         request = self.requests.get(request_id)
-        if request is None or request in self._aborted or request in self._finished_early:
+        if request is None or request.aborted or request.finished:  # already ended, waiting to be reported
             return False
         request.aborted = True
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        self._aborted.append(request)
+        self._ended.append(request)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -226,8 +225,9 @@ class Engine:
         Raises InvalidRequestError (code "pin_budget_exceeded") if pinned and pending pages
         would exceed the pin budget (settings.pinned_block_budget, at most a quarter of the pool).
         """
-        request = self.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt, SamplingParams(max_tokens=1, temperature=0),
-                                       cache_salt, shared_prefix_len, pin_id, prompt_param="text")
+        request = self.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt,
+                                       SamplingParams(max_tokens=1, temperature=0), cache_salt, shared_prefix_len,
+                                       pin_id, prompt_param="text")
         num_pages = len(request.prompt_token_ids) // self.block_size
         held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
         held += sum(pages for pid, (_, pages) in self._pending_pins.items() if pid != pin_id)
@@ -285,7 +285,7 @@ class Engine:
 
     def _take_ended(self) -> list[Request]:
         """Requests that ended outside a step (aborted, or nothing to generate), to report now."""
-        ended, self._aborted, self._finished_early = self._aborted + self._finished_early, [], []
+        ended, self._ended = self._ended, []
         return ended
 
     def _append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[RequestOutput]:
@@ -333,10 +333,8 @@ class Engine:
             new_text = detokenizer.take_new_text(seq.is_finished)
             new_logprobs = None
             if wants_logprobs:
-                first = detokenizer.num_released_tokens
-                texts = detokenizer.take_token_texts(seq.is_finished)
                 new_logprobs = [TokenLogprob(output_ids[i], text, seq.logprobs[i])
-                                for i, text in enumerate(texts, start=first)]
+                                for i, text in detokenizer.take_token_texts(seq.is_finished)]
             completions.append(
                 CompletionOutput(
                     index=seq.index,

@@ -1,8 +1,8 @@
 """GET /dashboard (the live page map) and GET /dashboard/events (its SSE feed of page snapshots).
 
-One `PageMapFeed` per app (made by `add_routes`, kept under `PAGE_MAP_FEED`) polls `engine.page_map()` through the bridge at most `PERIOD_S` apart,
-whatever the number of viewers: it starts with the first viewer and stops after the last one
-leaves. A viewer is sent the newest snapshot when it changed, and an SSE comment every
+One `PageMapFeed` per app (made by `add_routes`, kept under `PAGE_MAP_FEED`) polls
+`engine.page_map()` through the bridge at most `PERIOD_S` apart, whatever the number of
+viewers: it starts with the first viewer and stops after the last one leaves. A viewer is sent the newest snapshot when it changed, and an SSE comment every
 `KEEPALIVE_S` otherwise; a slow viewer skips snapshots, it never queues them.
 
 An event's data is one JSON object (compact: what the page draws, no prompt text):
@@ -32,6 +32,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from service.api.completions import SSE_HEADERS
 from service.errors import APIError
 from service.state import STATE, ServiceState
 
@@ -41,7 +42,6 @@ PAGE = Path(__file__).parent / "static" / "dashboard.html"
 PERIOD_S = 0.25  # at most 4 snapshots a second
 KEEPALIVE_S = 2.0
 SNAPSHOT_TIMEOUT_S = 5.0
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 COUNTERS = ("num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_kv_tokens", "num_running", "num_waiting",
             "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

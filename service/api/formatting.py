@@ -62,13 +62,10 @@ class ResponseFormat:
         raw = self.tokenizer.raw_byte(token_id)
         return [raw] if raw is not None else list(text.encode())
 
-    def _top_with_ids(self, token: TokenLogprob) -> list[tuple[int, str, float]]:
+    def _top(self, token: TokenLogprob) -> list[tuple[int, str, float]]:
+        """The most probable alternatives as (id, string, logprob), best first; the chosen one as in the text."""
         best = sorted(token.logprobs.items(), key=lambda kv: -kv[1])[: self.num_top_logprobs or 0]
         return [(tid, token.text if tid == token.token_id else self.alternative_text(tid), lp) for tid, lp in best]
-
-    def _top(self, token: TokenLogprob) -> list[tuple[str, float]]:
-        """The most probable alternatives as (string, logprob), best first; the chosen one as in the text."""
-        return [(text, lp) for _, text, lp in self._top_with_ids(token)]
 
     def sse_event(self, choices: list[dict], include_usage: bool) -> bytes:
         """`data: {chunk}\n\n` for these choices; the constant head and tail are encoded once."""
@@ -104,7 +101,7 @@ class ChatFormat(ResponseFormat):
                 "bytes": self.token_bytes(token.token_id, token.text),
                 "top_logprobs": [
                     {"token": text, "logprob": lp, "bytes": self.token_bytes(tid, text)}
-                    for tid, text, lp in self._top_with_ids(token)
+                    for tid, text, lp in self._top(token)
                 ],
             })
         return {"content": content, "refusal": None}
@@ -125,29 +122,30 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._text_offsets: dict[int, int] = {}  # choice index -> characters of text streamed so far
+        self._text_offsets: dict[int, int] = {}  # choice index -> characters of its text covered so far
 
-    def logprobs(self, tokens: list[TokenLogprob], text_offset: int = 0) -> dict | None:
+    def logprobs(self, index: int, tokens: list[TokenLogprob]) -> dict | None:
+        """Choice `index`'s logprobs for these tokens; offsets go on from its earlier chunks."""
         if self.num_top_logprobs is None:
             return None
-        offsets, offset = [], text_offset
+        offsets, offset = [], self._text_offsets.get(index, 0)
         for token in tokens:
             offsets.append(offset)
             offset += len(token.text)
+        self._text_offsets[index] = offset
         return {
             "tokens": [token.text for token in tokens],
             "token_logprobs": [token.logprobs[token.token_id] for token in tokens],
             # as OpenAI: the sampled token is always there, so up to logprobs + 1 entries
-            "top_logprobs": [dict(self._top(token)) | {token.text: token.logprobs[token.token_id]} for token in tokens],
+            "top_logprobs": [{text: lp for _, text, lp in self._top(token)} | {token.text: token.logprobs[token.token_id]}
+                             for token in tokens],
             "text_offset": offsets,
         }
 
     def delta_choice(self, index: int, delta: ChoiceDelta, first: bool) -> dict:
-        offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + sum(len(token.text) for token in delta.logprobs)
-        return {"index": index, "text": delta.text, "logprobs": self.logprobs(delta.logprobs, offset),
+        return {"index": index, "text": delta.text, "logprobs": self.logprobs(index, delta.logprobs),
                 "finish_reason": delta.finish_reason}
 
     def final_choice(self, index: int, whole: ChoiceDelta) -> dict:
-        return {"index": index, "text": whole.text, "logprobs": self.logprobs(whole.logprobs),
+        return {"index": index, "text": whole.text, "logprobs": self.logprobs(index, whole.logprobs),
                 "finish_reason": whole.finish_reason}

@@ -41,7 +41,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by chat and completion requests. Every optional field may be null: its default."""
 
     integer_fields: ClassVar[tuple[str, ...]] = ("n", "max_tokens", "seed", "top_k")
-    token_id_fields: ClassVar[tuple[str, ...]] = ("stop_token_ids",)  # lists (or lists of lists) of integers
+    token_id_fields: ClassVar[tuple[str, ...]] = ("stop_token_ids",)  # lists of integers
     prompt_param: ClassVar[str] = "prompt"  # the field a too-long prompt is reported under
 
     model: str
@@ -138,7 +138,6 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
     integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "logprobs")
-    token_id_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.token_id_fields, "prompt")
 
     prompt: str | list[Any] | None = None  # null or absent: an empty document (the BOS token alone)
     max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
@@ -155,10 +154,12 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list: one string, strings, one token list, or token lists."""
+        """The prompt as a list: one string, strings, one token list, or token lists (whole floats are ints)."""
         if self.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         prompt = self.prompt
+        if isinstance(prompt, list):
+            prompt = [[_whole(t) for t in p] if isinstance(p, list) else _whole(p) for p in prompt]
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
@@ -177,11 +178,17 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
 def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields:
     """Parse a JSON body (bytes, or an already decoded object) strictly into `kind`.
 
-    Whole floats in `kind.integer_fields`, and in the token-id lists of `kind.token_id_fields`
-    (`"prompt": [1.0, 2.0]`), become ints first. Raises msgspec errors, which the middleware
-    maps to a 400 naming the field.
+    A body msgspec's typed decoder refuses gets one more try with whole floats in
+    `kind.integer_fields` and in the token-id lists of `kind.token_id_fields`
+    (`"stop_token_ids": [2.0]`) made ints; the prompt's token ids are `prompts()`'s. Raises msgspec errors, which the middleware maps to
+    a 400 naming the field.
     """
-    body = msgspec.json.decode(raw) if isinstance(raw, bytes) else raw
+    if isinstance(raw, bytes):
+        try:
+            return msgspec.json.decode(raw, type=kind, strict=True)  # the common case: one pass
+        except msgspec.ValidationError:
+            raw = msgspec.json.decode(raw)
+    body = raw
     if isinstance(body, dict):
         for name in kind.integer_fields:
             if name in body:
@@ -189,7 +196,7 @@ def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields
         for name in kind.token_id_fields:
             value = body.get(name)
             if isinstance(value, list):
-                body[name] = [[_whole(t) for t in v] if isinstance(v, list) else _whole(v) for v in value]
+                body[name] = [_whole(v) for v in value]
     return msgspec.convert(body, kind, strict=True)
 
 

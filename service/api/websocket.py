@@ -110,10 +110,8 @@ class Socket:
                 await self.send({"type": "chunk", "id": request_id, **chunk})
             await self._done(request_id, generation)
         except asyncio.CancelledError:
-            if generation is not None:
-                for stream in generation.streams:
-                    if not stream.finished:
-                        self.state.bridge.abort(stream.request_id)
+            if generation is not None and generation.admitted:
+                generation.finish()  # stops the engine work and bills what was computed
             if request_id not in self.cancelled:
                 raise  # the socket is closing
             if generation is not None:

@@ -13,9 +13,9 @@ The file format, checkpoint and compaction are in service/billing/journal_file.p
 - Group commit: the writer (its own thread, woken by `append` without a trip through the
   event loop) takes everything buffered, writes it and fdatasyncs once, then hands the
   batch's futures back to the loop in one callback; records appended meanwhile form the next
-  batch. So a batch is one fsync's worth of arrivals (or `batch_records`), with no timer on
-  the path; `flush_interval_s` > 0 adds a wait for the batch to fill, for disks where each
-  fsync is dear.
+  batch. So a batch is one fsync's worth of arrivals, with no timer on the path;
+  `flush_interval_s` > 0 adds a wait (up to `batch_records` records), for disks where each
+  fsync is dear. `batch_records` also caps what the applier hands the ledger at once.
 - `start` replays everything after the checkpoint. Replays are safe because the ledger counts a
   request id once (Redis remembers ids for 30 days; SQLite forever).
 - Any ledger error is retried, with backoff up to `max_backoff_s`: the first failure logs an
@@ -59,8 +59,7 @@ class UsageJournal:
         self._stop_timeout_s = stop_timeout_s
         self._lock = threading.Condition()  # guards the buffer below; the writer thread waits on it
         self._buffer = bytearray()  # encoded lines not yet written
-        self._num_buffered = 0
-        self._waiters: list[asyncio.Future] = []  # one per buffered record: done once it is on disk
+        self._waiters: list[asyncio.Future] = []  # one per buffered record (so its count): done once on disk
         self._file_lock = threading.Lock()  # a write and a compaction never overlap
         self._abandoned = False  # stop() timed out: the writer gives up retrying
         self._writer: threading.Thread | None = None
@@ -92,7 +91,6 @@ class UsageJournal:
         with self._lock:
             self._buffer += line
             self._waiters.append(durable)
-            self._num_buffered += 1
             self._lock.notify()
         self._num_appended += 1
         return durable
@@ -108,7 +106,6 @@ class UsageJournal:
         with self._lock:
             self._buffer.clear()
             self._waiters = []
-            self._num_buffered = 0
         self._num_appended = self._num_applied + num_replayed
         self._running, self._stopping, self._abandoned = True, False, False
         if num_replayed:
@@ -146,9 +143,9 @@ class UsageJournal:
             log.error("usage journal writer did not stop; its file stays open", path=str(self.path))
         else:
             await asyncio.to_thread(self._file.close)
-        if self._num_buffered:
+        if self._waiters:
             log.error("usage journal stopped with records not written", path=str(self.path),
-                      num_records=self._num_buffered)
+                      num_records=len(self._waiters))
         elif self.num_pending:
             log.warning("usage journal stopped with records not applied; they replay at next start",
                         path=str(self.path), num_records=self.num_pending)
@@ -180,13 +177,12 @@ class UsageJournal:
                     while not self._buffer and not self._stopping:
                         self._lock.wait()
                     if self._flush_interval_s > 0 and not self._stopping:
-                        self._lock.wait_for(lambda: self._num_buffered >= self._batch_records or self._stopping,
+                        self._lock.wait_for(lambda: len(self._waiters) >= self._batch_records or self._stopping,
                                             self._flush_interval_s)
                     if not self._buffer:
                         return  # stopping, and everything is written
-                    data, num_records, waiters = bytes(self._buffer), self._num_buffered, self._waiters
+                    data, waiters = bytes(self._buffer), self._waiters
                     self._buffer.clear()
-                    self._num_buffered = 0
                     self._waiters = []
                 try:
                     with self._file_lock:
@@ -196,7 +192,6 @@ class UsageJournal:
                     with self._lock:
                         self._buffer[0:0] = data
                         self._waiters[0:0] = waiters
-                        self._num_buffered += num_records
                         if not self._abandoned:
                             self._lock.wait(backoff)  # stop() wakes it
                         if self._abandoned:

@@ -196,23 +196,34 @@ def test_kill_9_mid_load_loses_no_answered_request_redis(stories_dir, tmp_path, 
     _check_totals(totals, received)
 
 
-def test_usage_counts_a_request_as_soon_as_its_answer_arrived(server):
-    """README: a request is in /v1/usage once its final message has been sent."""
-    for stream in (False, True):
-        before = requests.get(server.url + "/v1/usage", timeout=10).json()
-        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
-                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-        response = requests.post(server.url + "/v1/completions", json=body, timeout=30, stream=stream)
-        if stream:
-            events = [line[len(b"data: "):] for line in response.iter_lines() if line.startswith(b"data: ")]
-            assert events[-1] == b"[DONE]"
-            usage = json.loads(events[-2])["usage"]
-        else:
-            usage = response.json()["usage"]
-        after = requests.get(server.url + "/v1/usage", timeout=10).json()
-        assert after["requests"] - before["requests"] == 1, stream
-        assert after["completion_tokens"] - before["completion_tokens"] == usage["completion_tokens"] == 7
-        assert after["prompt_tokens"] - before["prompt_tokens"] == usage["prompt_tokens"]
+def test_usage_counts_a_request_as_soon_as_its_answer_arrived(stories_dir):
+    """README: a request is in /v1/usage once its final message has been sent, even with a slow ledger."""
+    from tests.service.conftest import run_server, stories_settings
+
+    with run_server(stories_settings(stories_dir)) as server:
+        ledger = server.state.ledger
+        record_many = ledger.record_many
+
+        async def slow_record_many(items):  # each batch reaches the ledger 0.3 s after it is on disk
+            await asyncio.sleep(0.3)
+            return await record_many(items)
+
+        ledger.record_many = slow_record_many
+        for stream in (False, True):
+            before = requests.get(server.url + "/v1/usage", timeout=10).json()
+            body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
+                    "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+            response = requests.post(server.url + "/v1/completions", json=body, timeout=30, stream=stream)
+            if stream:
+                events = [line[len(b"data: "):] for line in response.iter_lines() if line.startswith(b"data: ")]
+                assert events[-1] == b"[DONE]"
+                usage = json.loads(events[-2])["usage"]
+            else:
+                usage = response.json()["usage"]
+            after = requests.get(server.url + "/v1/usage", timeout=10).json()
+            assert after["requests"] - before["requests"] == 1, stream
+            assert after["completion_tokens"] - before["completion_tokens"] == usage["completion_tokens"] == 7
+            assert after["prompt_tokens"] - before["prompt_tokens"] == usage["prompt_tokens"]
 
 
 def test_an_answer_whose_usage_cannot_be_written_does_not_complete(stories_dir):

@@ -174,7 +174,8 @@ def test_a_character_split_across_byte_tokens_spreads_its_bytes_over_them(storie
         detokenizer.append(token_id)
     detokenizer.take_new_text(finished=True)
     texts = detokenizer.take_token_texts(finished=True)
-    tokens = [TokenLogprob(t, text, {t: -0.5}) for t, text in zip(output, texts)]
+    assert [i for i, _ in texts] == list(range(len(output)))
+    tokens = [TokenLogprob(output[i], text, {output[i]: -0.5}) for i, text in texts]
     content = ChatFormat("chatcmpl-x", 0, "stories260K", tokenizer, 0).logprobs(tokens)["content"]
     assert "".join(entry["token"] for entry in content) == detokenizer.text == " 日 a"  # SentencePiece's space
     byte_tokens = [entry for t, entry in zip(output, content) if tokenizer.raw_byte(t) is not None]

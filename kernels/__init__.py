@@ -1,7 +1,9 @@
 """Attention and cache kernels behind one call per operation, whatever the backend.
 
 Backends:
-    "torch"   the reference in kernels/reference.py (any device; the CPU backend and the oracle)
+    "torch"   torch ops on any device: the CPU backend. Decode goes through kernels/cascade.py
+              when given a plan (shared prefixes read once per group), else through the
+              reference in kernels/reference.py, which is also the oracle for every backend
     "triton"  the Triton kernels in decode_attention.py, prefill_attention.py, kv_write.py:
               CUDA tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
               before triton is first imported; slow, for tests)
@@ -22,7 +24,8 @@ import warnings
 
 import torch
 
-from kernels import reference
+from kernels import cascade, reference
+from kernels.cascade import DecodePlan, plan_decode
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -104,12 +107,20 @@ def paged_decode_attention(
     scale: float,
     backend: str = "auto",
     sliding_window: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """Attention of one new query token per sequence over that sequence's pages."""
+    """Attention of one new query token per sequence over that sequence's pages.
+
+    `plan` (from plan_decode over the same tables, lengths and window) lets the torch backend
+    read each shared prefix once per group (kernels/cascade.py); the result is the same, and
+    Triton ignores it.
+    """
     if _backend_for(backend, q) == "triton":
         return _triton_kernels().paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
         )
+    if plan is not None:
+        return cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
 
@@ -151,9 +162,11 @@ def write_kv(
 
 __all__ = [
     "BACKENDS",
+    "DecodePlan",
     "KernelBackendError",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "plan_decode",
     "resolve_backend",
     "write_kv",
 ]

@@ -30,6 +30,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets into the chunk rows
     prefill_context_lens: torch.Tensor  # int32 [num_prefills]
     kernel_backend: str = "auto"
+    decode_plan: kernels.DecodePlan | None = None  # torch backend: who shares which prefix pages
 
 
 def paged_attention(
@@ -51,7 +52,7 @@ def paged_attention(
         parts.append(
             kernels.paged_decode_attention(
                 q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                scale, backend=backend, sliding_window=sliding_window,
+                scale, backend=backend, sliding_window=sliding_window, plan=meta.decode_plan,
             )
         )
     if num_decode < q.shape[0]:

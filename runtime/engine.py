@@ -296,7 +296,7 @@ class Engine:
         return [self._make_output(request) for request in touched.values()]
 
     def _append_token(self, seq: Sequence, token_id: int, token_logprobs: dict[int, float] | None) -> None:
-        seq.token_ids.append(token_id)
+        seq.append_token(token_id)
         if token_logprobs is not None:
             seq.logprobs.append(token_logprobs)
             seq.cumulative_logprob += token_logprobs[token_id]
@@ -323,34 +323,35 @@ class Engine:
             self.scheduler.finish(seq, reason)
 
     def _make_output(self, request: Request) -> RequestOutput:
+        """This step's news for a request (deltas); its final output also carries the whole."""
         completions = []
         wants_logprobs = request.params.logprobs is not None
+        final = request.finished
         for seq in request.sequences:
-            output_ids = seq.output_token_ids
-            new_ids = output_ids[seq.num_emitted_tokens :]
-            seq.num_emitted_tokens = len(output_ids)
+            new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
+            seq.num_emitted_tokens += len(new_ids)
             detokenizer = seq.detokenizer
             new_text = detokenizer.take_new_text(seq.is_finished)
             new_logprobs = None
             if wants_logprobs:
-                new_logprobs = [TokenLogprob(output_ids[i], text, seq.logprobs[i])
+                first = seq.num_prompt_tokens
+                new_logprobs = [TokenLogprob(seq.token_ids[first + i], text, seq.logprobs[i])
                                 for i, text in detokenizer.take_token_texts(seq.is_finished)]
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=detokenizer.text,
-                    token_ids=output_ids,
+                    text=detokenizer.text if final else "",
+                    token_ids=seq.output_token_ids if final else [],
                     new_text=new_text,
                     new_token_ids=new_ids,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if wants_logprobs else None,
+                    logprobs=list(seq.logprobs) if final and wants_logprobs else None,
                     new_logprobs=new_logprobs,
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
                 )
             )
-        finished = request.finished
-        if finished:
+        if final:
             self.requests.pop(request.request_id, None)
             pin = self._pending_pins.get(request.pin_id) if request.pin_id is not None else None
             if pin is not None and pin[0] == request.request_id:
@@ -361,7 +362,7 @@ class Engine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             num_cached_tokens=request.num_cached_tokens or 0,
-            finished=finished,
+            finished=final,
         )
 
     # --- offline convenience ------------------------------------------------------------

@@ -7,8 +7,10 @@ A sequence's page table covers its tokens in order; page i holds positions
     page table:  [     p7      ,     p2      ,     p9         ]
                   full, hashed    full, hashed  partial: private
 
-Full pages are hashed (chained, salted) once their K/V is computed and can then be shared
-by any sequence whose tokens start the same way. A page with ref_count > 1 is read-only:
+Full pages are hashed (chained, salted) once their K/V is scheduled to be computed, and can
+then be shared by any sequence whose tokens start the same way, even one admitted later in
+the same step: every layer writes the step's new K/V before any of its attention reads, so
+identical prefixes that arrive together are computed once. A page with ref_count > 1 is read-only:
 a sequence about to write into a shared partial page (a fork, n > 1) first copies it.
 Allocation is check-then-commit: `can_allocate` says whether the pool can cover the
 tokens about to be computed, `allocate` takes the pages. Pages are taken only for tokens
@@ -60,12 +62,15 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's newly computed full pages to the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the pages full within the sequence's first `num_tokens` tokens to the prefix cache.
+
+        The scheduler calls it with the tokens computed by the end of this step.
+        """
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[seq.seq_id]
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         start = self.num_hashed_blocks[seq.seq_id]
         if num_full <= start:
             return

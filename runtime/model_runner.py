@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from runtime.attention import AttentionMetadata
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model.llama import LlamaForCausalLM
@@ -76,6 +77,9 @@ class ModelRunner:
         nd = batch.num_decodes
         device = self.device
         prefill_starts = [q - query_start[nd] for q in query_start[nd:]]
+        plan = None
+        if nd and self.kernel_backend == "torch":
+            plan = kernels.plan_decode(tables[:nd], context_lens[:nd], bs, self.model.config.sliding_window, device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_decode_tokens=nd,
@@ -85,6 +89,7 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(prefill_starts, dtype=torch.int32, device=device),
             prefill_context_lens=torch.tensor(context_lens[nd:], dtype=torch.int32, device=device),
             kernel_backend=self.kernel_backend,
+            decode_plan=plan,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=device),

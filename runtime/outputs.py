@@ -1,4 +1,9 @@
-"""What the engine hands back: per request, per sample, cumulative and per-step."""
+"""What the engine hands back: per request, per sample, what is new this step.
+
+step() outputs are deltas (new_*), so a step costs the same at token 10 and token 10,000;
+a request's final output (finished=True) also carries the whole text, tokens and logprobs,
+which is what generate() returns.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +24,13 @@ class CompletionOutput:
     """One sample of a request so far."""
 
     index: int
-    text: str  # all text so far (stop strings cut)
-    token_ids: list[int]  # all output tokens so far
+    text: str  # the whole text (stop strings cut): on the request's final output, else ""
+    token_ids: list[int]  # all output tokens: on the request's final output, else []
     new_text: str = ""  # text released this step (held back while it may start a stop string)
     new_token_ids: list[int] = field(default_factory=list)  # tokens sampled this step
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per token: chosen token first, then top-k
+    logprobs: list[dict[int, float]] | None = None  # final output: per token, chosen first, then top-k
     new_logprobs: list[TokenLogprob] | None = None  # tokens whose text was released this step, with logprobs
     cumulative_logprob: float | None = None
 

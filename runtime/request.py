@@ -74,6 +74,13 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.generator = self._make_generator(request.params.seed, index)
         self.num_emitted_tokens = 0  # output tokens already reported by step()
+        self.penalty_counts = None  # sampler.PenaltyCounts, made on the first penalised step
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token (and count it for penalties, if they are being counted)."""
+        self.token_ids.append(token_id)
+        if self.penalty_counts is not None:
+            self.penalty_counts.add(token_id)
 
     @staticmethod
     def _make_generator(seed: int | None, index: int) -> torch.Generator | None:
@@ -107,6 +114,8 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
+        if self.penalty_counts is not None:
+            child.penalty_counts = self.penalty_counts.copy()
         return child
 
     def __repr__(self) -> str:

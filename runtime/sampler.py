@@ -15,18 +15,42 @@ import torch
 from runtime.request import Sequence
 
 
+class PenaltyCounts:
+    """One sequence's token counts for penalties, kept up to date as tokens are added.
+
+    Built once from the tokens so far (the first penalised step), then one update per token,
+    so a penalised step costs O(vocab), not O(tokens).
+    """
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]; in prompt or output
+        self.seen[torch.tensor(token_ids, dtype=torch.long)] = True
+        self.output_counts = torch.bincount(torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long),
+                                            minlength=vocab_size).float()  # [vocab]
+
+    def add(self, token_id: int) -> None:
+        self.seen[token_id] = True
+        self.output_counts[token_id] += 1
+
+    def copy(self) -> PenaltyCounts:
+        clone = PenaltyCounts.__new__(PenaltyCounts)
+        clone.seen, clone.output_counts = self.seen.clone(), self.output_counts.clone()
+        return clone
+
+
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vocab]
     """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI)."""
     params = seq.params
+    if seq.penalty_counts is None:
+        seq.penalty_counts = PenaltyCounts(seq.token_ids, seq.num_prompt_tokens, logits.shape[0])
+    counts = seq.penalty_counts
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-        outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(outputs, minlength=logits.shape[0]).to(logits.dtype)  # [vocab]
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(counts.seen, penalised, logits)
+    if params.presence_penalty or params.frequency_penalty:
+        output = counts.output_counts
+        logits -= params.frequency_penalty * output + params.presence_penalty * (output > 0).to(logits.dtype)
     return logits
 
 

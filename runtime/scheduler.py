@@ -7,7 +7,8 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
   2. running sequences with more to go (prefill chunks), oldest first, each chunk cut to
      the budget left, so a long prompt never stalls the decodes;
   3. waiting sequences, first come first served, each starting after its longest cached
-     prefix; none are admitted in a step that had to preempt.
+     prefix (pages scheduled earlier in the same step count: identical prefixes arriving
+     together are computed once); none are admitted in a step that had to preempt.
 
 When the pool cannot cover a running sequence's tokens, the newest running sequence not
 yet scheduled this step is preempted: its pages go back, its computed count drops to 0,
@@ -80,6 +81,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             self._add_to_batch(batch, seq, num_new, scheduled)
             budget -= num_new
         if not preempted:
@@ -104,6 +106,7 @@ class Scheduler:
             if not self.kv.can_allocate(seq, num_new, cached):
                 break
             batch.blocks_to_copy += self.kv.allocate(seq, num_new, cached)
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)  # later arrivals can hit them
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
                 self.prefix_cache_queries += seq.num_tokens
@@ -149,7 +152,6 @@ class Scheduler:
         row = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             to_sample.append((seq, row))

@@ -110,7 +110,7 @@ class PagesMachine(RuleBasedStateMachine):
         for pos in range(seq.num_computed_tokens, seq.num_tokens):
             self.slots[table[pos // self.BLOCK_SIZE]][pos % self.BLOCK_SIZE] = seq.token_ids[pos]
         seq.num_computed_tokens = seq.num_tokens
-        self.kv.cache_computed_blocks(seq)
+        self.kv.cache_full_blocks(seq, seq.num_tokens)
 
     def _admit(self, seq) -> bool:
         cached = self.kv.find_cached_prefix(seq)

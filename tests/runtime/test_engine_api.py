@@ -25,7 +25,8 @@ def test_step_reports_new_tokens_each_step(engine, golden):
     while engine.has_unfinished_requests():
         (output,) = engine.step()
         seen += output.outputs[0].new_token_ids
-        assert output.outputs[0].token_ids == seen
+        # deltas each step; the final output also carries the whole
+        assert output.outputs[0].token_ids == (seen if output.finished else [])
     assert seen == case["greedy_30_new_ids"][:5] and output.finished
 
 

@@ -2,7 +2,9 @@
 
 import random
 
+from kernels import cascade
 from runtime import Engine, SamplingParams
+from tests.conftest import hf_greedy
 from tests.runtime.helpers import make_seq
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -76,3 +78,22 @@ def test_eviction_takes_the_oldest_tail_pages_first(stories_dir):
     assert cached_pages(old) == 1  # its head page survives its tail
     assert cached_pages(recent) == 2
     assert engine.kv.pool.num_evictions == 1
+
+
+def test_prompts_sharing_a_prefix_compute_it_once_and_decode_reading_it_together(stories_dir, monkeypatch):
+    prefix = _tokens(40, seed=11)  # five 8-token pages
+    prompts = [prefix + _tokens(n, seed=20 + n)[1:] for n in (3, 6, 9, 12)]
+    shared_rows = []
+    real = cascade.cascade_decode_attention
+
+    def spy(q, k_cache, v_cache, plan, scale):
+        shared_rows.append(plan.num_shared_rows)
+        return real(q, k_cache, v_cache, plan, scale)
+
+    monkeypatch.setattr(cascade, "cascade_decode_attention", spy)
+    engine = Engine.from_pretrained(stories_dir, num_blocks=64, block_size=8)
+    outputs = engine.generate(prompts, GREEDY)
+    # all four arrive in one step: the first computes the prefix, the others hit its pages
+    assert [o.num_cached_tokens for o in outputs] == [0, 40, 40, 40]
+    assert max(shared_rows) == 4  # every decode step read the five pages once for all four
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(stories_dir, prompts, 20)

@@ -286,3 +286,31 @@ def test_a_pending_fork_holds_its_seats_for_later_admissions_in_the_same_step():
     batch, _ = step(sched)
     assert plan(batch) == [("g", 4)]
     sched.kv.check_invariants()
+
+
+def test_identical_prefixes_admitted_in_one_step_are_computed_once():
+    prefix = [5, 6, 7, 8, 9, 10, 11, 12]  # two full pages
+    sched = make_scheduler()
+    a, b = make_seq("a", prefix + [1, 2]), make_seq("b", prefix + [3])
+    add(sched, a, b)
+    batch, _ = step(sched)
+    # b hits the pages a computes in this same step and computes only its own token
+    assert plan(batch) == [(a.seq_id, 10), (b.seq_id, 1)]
+    assert sched.kv.block_ids(b)[:2] == sched.kv.block_ids(a)[:2]
+    assert b.request.num_cached_tokens == 8 and a.request.num_cached_tokens == 0
+    assert sched.prefix_cache_hits == 8
+
+
+def test_a_prefix_hit_lands_on_pages_a_chunked_prefill_finishes_in_the_same_step():
+    prefix = list(range(100, 116))  # four full pages
+    sched = make_scheduler(max_num_batched_tokens=10)
+    a = make_seq("a", prefix + [1])
+    add(sched, a)
+    step(sched)  # a's first chunk: 10 tokens, pages 0-1 full
+    b = make_seq("b", prefix + [2])
+    add(sched, b)
+    batch, _ = step(sched)
+    # a's last 7 tokens fill pages 2-3 in this step; b, admitted after it, hits all four pages
+    assert plan(batch) == [(a.seq_id, 7), (b.seq_id, 1)]
+    assert b.request.num_cached_tokens == 16
+    assert sched.kv.block_ids(b)[:4] == sched.kv.block_ids(a)[:4]

@@ -1,0 +1,174 @@
+r"""The CPU's decode attention: shared prefixes read once per group (cascade), the rest per sequence.
+
+In a decode step, sequences whose page tables begin with the same physical pages (a system
+prompt served from the prefix cache) attend to those pages together, and each to its own
+pages separately; the two partial results merge exactly through their log-sum-exps:
+
+    seq a:  | P0 P1 P2 P3 | a4 a5 |          shared part: queries of a, b, c (all heads of a
+    seq b:  | P0 P1 P2 P3 | b4 |             group as rows) x K/V of P0..P3, one product
+    seq c:  | P0 P1 P2 P3 | c4 c5 c6 |       private part: each query x its own pages
+
+    out = (exp(lse_s) * out_s + exp(lse_p) * out_p) / (exp(lse_s) + exp(lse_p))
+
+A sequence in no group has only a private part: that is the per-sequence paged path. Both
+parts use torch's CPU flash-attention kernel with a decode trick for grouped-query attention:
+the query heads that share a KV head are that head's query rows, so K/V are never repeated.
+
+The plan (which rows share which pages) is computed once per step from the block tables
+(`plan_decode`) and used by every layer. kernels/reference.py stays the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_SHARED_PAGES = 2  # a shorter common prefix is cheaper read per sequence
+
+
+@dataclass
+class PrefixGroup:
+    """Decode rows whose page tables begin with the same pages."""
+
+    pages: torch.Tensor  # int64 [num_shared_pages]
+    rows: torch.Tensor  # int64 [num_members]; rows of the decode batch
+    window_bias: torch.Tensor | None = None  # float32 [num_members, 1, 1, num_shared_pages * block_size]
+    window_empty: torch.Tensor | None = None  # bool [num_members]; rows that see none of the shared part
+
+
+@dataclass
+class DecodePlan:
+    """Per step: every decode row's private pages, and the groups that read a shared prefix."""
+
+    private_tables: torch.Tensor  # int32 [num_seqs, max_private_pages]; pages after the shared prefix
+    private_bias: torch.Tensor  # float32 [num_seqs, 1, 1, max_private_pages * block_size]; 0 or -inf
+    groups: list[PrefixGroup] = field(default_factory=list)
+
+    @property
+    def num_shared_rows(self) -> int:
+        return sum(len(g.rows) for g in self.groups)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_decode(
+    tables: list[list[int]],
+    context_lens: list[int],
+    block_size: int,
+    sliding_window: int | None = None,
+    device: torch.device | None = None,
+    min_shared_pages: int = MIN_SHARED_PAGES,
+) -> DecodePlan:
+    """Group decode rows by the physical pages their tables start with.
+
+    Sorting the tables puts rows with a common prefix next to each other; walking them in
+    that order, a row joins the group before it while that saves page reads (the group's
+    prefix is what all its members share). Shared pages stop before the page holding any
+    member's newest token, so every row keeps a private part (its own token at least) and
+    the shared pages are full for all members. Groups of one are per-sequence rows.
+    """
+    num_seqs = len(tables)
+    if len(context_lens) != num_seqs:
+        raise ValueError(f"{num_seqs} tables but {len(context_lens)} context lengths")
+    # pages a row may share: full ones, before the page holding its newest token
+    caps = [min(len(t), (n - 1) // block_size) for t, n in zip(tables, context_lens)]
+    runs: list[tuple[int, list[int]]] = []  # (shared pages, rows), in sorted order
+    for i in sorted(range(num_seqs), key=lambda r: tables[r]):
+        if runs:
+            common, rows = runs[-1]
+            prev = rows[-1]
+            shared = min(_common_prefix(tables[prev], tables[i]), caps[prev], caps[i])
+            if len(rows) == 1 and shared >= min_shared_pages:
+                runs[-1] = (shared, rows + [i])
+                continue
+            # joining a group cuts its prefix to `shared`: worth it if fewer pages are read in all
+            if len(rows) > 1 and shared >= min_shared_pages and len(rows) * shared >= (len(rows) - 1) * common:
+                runs[-1] = (min(common, shared), rows + [i])
+                continue
+        runs.append((0, [i]))
+    shared_pages = [0] * num_seqs
+    groups: list[tuple[list[int], list[int]]] = []  # (pages, rows)
+    for num_pages, rows in runs:
+        if len(rows) > 1:
+            groups.append((tables[rows[0]][:num_pages], sorted(rows)))
+            for i in rows:
+                shared_pages[i] = num_pages
+    private = [table[shared:] for table, shared in zip(tables, shared_pages)]
+    width = max((len(p) for p in private), default=0)
+    private_tables = torch.tensor([p + [0] * (width - len(p)) for p in private], dtype=torch.int32,
+                                  device=device).reshape(num_seqs, width)
+    starts = torch.tensor(shared_pages, dtype=torch.int64, device=device) * block_size  # [num_seqs]
+    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # [num_seqs]
+    positions = starts[:, None] + torch.arange(width * block_size, device=device)[None, :]  # [num_seqs, Lp]
+    visible = positions < lens[:, None]
+    if sliding_window is not None:
+        visible &= positions >= lens[:, None] - sliding_window
+    private_bias = _bias(visible)[:, None, None, :]
+    plan_groups = []
+    for pages, rows in groups:
+        group = PrefixGroup(torch.tensor(pages, dtype=torch.int64, device=device),
+                            torch.tensor(rows, dtype=torch.int64, device=device))
+        if sliding_window is not None:
+            shared_pos = torch.arange(len(pages) * block_size, device=device)  # [Ls]
+            seen = shared_pos[None, :] >= lens[group.rows][:, None] - sliding_window  # [num_members, Ls]
+            group.window_bias = _bias(seen)[:, None, None, :]
+            group.window_empty = ~seen.any(dim=1)
+        plan_groups.append(group)
+    return DecodePlan(private_tables, private_bias, plan_groups)
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    """0 where visible, -inf elsewhere (float32)."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _flash(q, k, v, bias, scale):
+    """torch's CPU flash attention: (out [B, H, Lq, d], lse [B, H, Lq]); k, v [B, H, Lk, d]."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+
+
+def cascade_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    """Decode attention through `plan`: each shared prefix once per group, private pages per row."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if plan.private_tables.shape[0] != num_seqs:
+        raise ValueError(f"plan for {plan.private_tables.shape[0]} rows, but {num_seqs} queries")
+    group_size = num_q_heads // num_kv_heads
+    q_rows = q.float().reshape(num_seqs, num_kv_heads, group_size, head_dim)  # heads of one KV head as rows
+    private = plan.private_tables
+    k = k_cache.index_select(0, private.reshape(-1)).view(num_seqs, -1, num_kv_heads, head_dim).float()
+    v = v_cache.index_select(0, private.reshape(-1)).view(num_seqs, -1, num_kv_heads, head_dim).float()
+    out, lse = _flash(q_rows, k.transpose(1, 2), v.transpose(1, 2), plan.private_bias, scale)
+    # out [num_seqs, num_kv_heads, group_size, head_dim], lse [num_seqs, num_kv_heads, group_size]
+    for group in plan.groups:
+        members = group.rows.shape[0]
+        k_shared = k_cache.index_select(0, group.pages).view(1, -1, num_kv_heads, head_dim).float()
+        v_shared = v_cache.index_select(0, group.pages).view(1, -1, num_kv_heads, head_dim).float()
+        q_group = q_rows.index_select(0, group.rows)  # [members, num_kv_heads, group_size, head_dim]
+        q_group = q_group.transpose(0, 1).reshape(1, num_kv_heads, members * group_size, head_dim)
+        bias = None
+        if group.window_bias is not None:  # rows ordered (member, head): each member's mask repeats
+            bias = group.window_bias.expand(members, 1, group_size, -1).reshape(1, 1, members * group_size, -1)
+        out_s, lse_s = _flash(q_group, k_shared.transpose(1, 2), v_shared.transpose(1, 2), bias, scale)
+        out_s = out_s.view(num_kv_heads, members, group_size, head_dim).transpose(0, 1)
+        lse_s = lse_s.view(num_kv_heads, members, group_size).transpose(0, 1)
+        if group.window_empty is not None:  # a row that sees nothing shared gets weight 0, not exp(0)
+            lse_s = lse_s.masked_fill(group.window_empty[:, None, None], float("-inf"))
+        out_p, lse_p = out.index_select(0, group.rows), lse.index_select(0, group.rows)
+        lse_all = torch.logaddexp(lse_p, lse_s)  # [members, num_kv_heads, group_size]
+        merged = out_p * torch.exp(lse_p - lse_all)[..., None] + out_s * torch.exp(lse_s - lse_all)[..., None]
+        out.index_copy_(0, group.rows, merged)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

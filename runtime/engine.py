@@ -426,7 +426,7 @@ class Engine:
         owner = [-1] * self.num_blocks
         live = [*self.scheduler.running, *(s for s in self.scheduler.waiting if s.seq_id in self.kv.block_tables)]
         for i, seq in enumerate(live):
-            table = self.kv.block_ids(seq)
+            table = list(self.kv.block_ids(seq))  # a snapshot: it crosses to the loop
             for block_id in table:
                 if owner[block_id] == -1:
                     owner[block_id] = i

@@ -32,6 +32,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_tables: dict[str, list[Block]] = {}
+        self.block_id_tables: dict[str, list[int]] = {}  # the same tables as ids, kept in step (the runner's input)
         self.num_hashed_blocks: dict[str, int] = {}  # leading pages of a table already offered to the cache
         self.pinned: dict[str, list[Block]] = {}  # pin id -> full pages held so they are never evicted
 
@@ -100,6 +101,14 @@ class KVCacheManager:
         num_revived = sum(1 for block in cached if block.ref_count == 0)  # leave the free queue
         return num_new_pages + int(needs_copy) + num_revived <= self.pool.num_free_blocks
 
+    def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the sequence's own pages already hold its next tokens (most decodes): no allocation."""
+        table = self.block_tables.get(seq.seq_id)
+        end = seq.num_computed_tokens + num_new_tokens
+        if table is None or end > len(table) * self.block_size:
+            return False
+        return table[seq.num_computed_tokens // self.block_size].ref_count == 1
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = ()) -> bool:
         """Whether the pool can hold `num_new_tokens` more tokens of `seq` (after `cached`)."""
         cached = list(cached)
@@ -116,12 +125,14 @@ class KVCacheManager:
         if not self._fits(num_new_pages, needs_copy, cached):
             raise BlockPoolError(f"cannot allocate {num_new_tokens} tokens for {seq}")
         table = self.block_tables.setdefault(seq.seq_id, [])
+        ids = self.block_id_tables.setdefault(seq.seq_id, [])
         self.num_hashed_blocks.setdefault(seq.seq_id, 0)
         if cached:
             if table or seq.num_computed_tokens:
                 raise BlockPoolError(f"prefix hit for {seq}, which already has pages")
             self.pool.touch(cached)
             table.extend(cached)
+            ids.extend(block.block_id for block in cached)
             self.num_hashed_blocks[seq.seq_id] = len(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
         copies = []
@@ -130,9 +141,12 @@ class KVCacheManager:
             shared = table[write_page]
             private = self.pool.get_new_blocks(1)[0]
             table[write_page] = private
+            ids[write_page] = private.block_id
             self.pool.free_blocks([shared])
             copies.append((shared.block_id, private.block_id))
-        table.extend(self.pool.get_new_blocks(num_new_pages))
+        new_blocks = self.pool.get_new_blocks(num_new_pages)
+        table.extend(new_blocks)
+        ids.extend(block.block_id for block in new_blocks)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -140,11 +154,13 @@ class KVCacheManager:
         table = self.block_tables[parent.seq_id]
         self.pool.touch(table)
         self.block_tables[child.seq_id] = list(table)
+        self.block_id_tables[child.seq_id] = list(self.block_id_tables[parent.seq_id])
         self.num_hashed_blocks[child.seq_id] = self.num_hashed_blocks[parent.seq_id]
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's pages, tail first, so its tail is evicted before its shared head."""
         table = self.block_tables.pop(seq.seq_id, [])
+        self.block_id_tables.pop(seq.seq_id, None)
         self.num_hashed_blocks.pop(seq.seq_id, None)
         self.pool.free_blocks(reversed(table))
 
@@ -171,11 +187,17 @@ class KVCacheManager:
         return True
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        return [block.block_id for block in self.block_tables[seq.seq_id]]
+        """The sequence's page table as block ids (the manager's own list: read, do not change)."""
+        return self.block_id_tables[seq.seq_id]
 
     def check_invariants(self) -> None:
         """The pool's invariants, plus: every page in a table is in use, as often as tables list it."""
         self.pool.check_invariants()
+        if self.block_id_tables.keys() != self.block_tables.keys():
+            raise BlockPoolError("the id tables and the block tables list different sequences")
+        for seq_id, table in self.block_tables.items():
+            if self.block_id_tables[seq_id] != [block.block_id for block in table]:
+                raise BlockPoolError(f"the id table of {seq_id} differs from its blocks")
         readers: dict[int, int] = {}
         for table in [*self.block_tables.values(), *self.pinned.values()]:
             for block in table:

@@ -36,6 +36,7 @@ class ModelRunner:
     ) -> None:
         config = model.config
         self.model = model
+        model.pack_linear_weights()  # CPU: oneDNN's packed layout (a no-op elsewhere)
         self.block_size = block_size
         self.device = device
         self.kernel_backend = kernel_backend

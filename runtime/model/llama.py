@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import AttentionMetadata, paged_attention
+from runtime.model import linear
 from runtime.model.config import ModelConfig
 from runtime.model.rope import apply_rope, rope_cos_sin
 
@@ -47,16 +48,18 @@ class Attention(nn.Module):
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
         self.o_weight = _weight(config.hidden_size, self.q_size)
         self.o_bias = _weight(config.hidden_size) if config.o_bias else None
+        self.qkv_packed: torch.Tensor | None = None  # oneDNN layouts, once packed (see pack_linear_weights)
+        self.o_packed: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = linear.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 * kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return linear.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias, self.o_packed)
 
 
 class MLP(nn.Module):
@@ -67,10 +70,13 @@ class MLP(nn.Module):
         self.gate_up_bias = _weight(2 * config.intermediate_size) if config.mlp_bias else None
         self.down_weight = _weight(config.hidden_size, config.intermediate_size)
         self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate_up = linear.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear.linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +111,24 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos = cos.to(device)  # float32 [max_positions, head_dim]
         self.rope_sin = sin.to(device)
         return self.eval()
+
+    def pack_linear_weights(self) -> bool:
+        """On the CPU, move the layers' matmul weights into oneDNN's packed layout (runtime/model/linear.py).
+
+        The last step of loading: the dense copies are dropped. Embeddings and the LM head
+        stay dense. Returns whether anything was packed.
+        """
+        packed = False
+        for layer in self.layers:
+            for module, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
+                                 (layer.mlp, "down")):
+                weight = getattr(module, f"{name}_weight")
+                if getattr(module, f"{name}_packed") is not None or not linear.can_pack(weight):
+                    continue
+                setattr(module, f"{name}_packed", linear.pack(weight))
+                weight.data = weight.data.new_empty(0)
+                packed = True
+        return packed
 
     def forward(
         self,

@@ -31,10 +31,24 @@ MIN_SHARED_PAGES = 2  # a shorter common prefix is cheaper read per sequence
 class PrefixGroup:
     """Decode rows whose page tables begin with the same pages."""
 
-    pages: torch.Tensor  # int64 [num_shared_pages]
-    rows: torch.Tensor  # int64 [num_members]; rows of the decode batch
-    window_bias: torch.Tensor | None = None  # float32 [num_members, 1, 1, num_shared_pages * block_size]
-    window_empty: torch.Tensor | None = None  # bool [num_members]; rows that see none of the shared part
+    pages: list[int]
+    rows: list[int]  # rows of the decode batch, ascending
+
+
+@dataclass
+class SharedPrefixes:
+    """A step's groups padded into one batch, so each layer reads them all in one call.
+
+    Group g's members sit in slots g * max_members + j; padding slots repeat a real member
+    and padding pages a real page, and are masked or ignored.
+    """
+
+    tables: torch.Tensor  # int64 [num_groups, max_shared_pages]
+    member_rows: torch.Tensor  # int64 [num_groups, max_members]; decode rows (padded)
+    bias: torch.Tensor  # float32 [num_groups, 1, max_members or 1, 1, max_shared_pages * block_size]
+    rows: torch.Tensor  # int64 [num_members]; every member's decode row
+    slots: torch.Tensor  # int64 [num_members]; its slot in [num_groups * max_members]
+    empty: torch.Tensor | None = None  # bool [num_members]; sliding window: sees none of its prefix
 
 
 @dataclass
@@ -44,6 +58,7 @@ class DecodePlan:
     private_tables: torch.Tensor  # int32 [num_seqs, max_private_pages]; pages after the shared prefix
     private_bias: torch.Tensor  # float32 [num_seqs, 1, 1, max_private_pages * block_size]; 0 or -inf
     groups: list[PrefixGroup] = field(default_factory=list)
+    shared: SharedPrefixes | None = None  # the groups, batched; None without groups
 
     @property
     def num_shared_rows(self) -> int:
@@ -111,17 +126,43 @@ def plan_decode(
     if sliding_window is not None:
         visible &= positions >= lens[:, None] - sliding_window
     private_bias = _bias(visible)[:, None, None, :]
-    plan_groups = []
-    for pages, rows in groups:
-        group = PrefixGroup(torch.tensor(pages, dtype=torch.int64, device=device),
-                            torch.tensor(rows, dtype=torch.int64, device=device))
-        if sliding_window is not None:
-            shared_pos = torch.arange(len(pages) * block_size, device=device)  # [Ls]
-            seen = shared_pos[None, :] >= lens[group.rows][:, None] - sliding_window  # [num_members, Ls]
-            group.window_bias = _bias(seen)[:, None, None, :]
-            group.window_empty = ~seen.any(dim=1)
-        plan_groups.append(group)
-    return DecodePlan(private_tables, private_bias, plan_groups)
+    plan_groups = [PrefixGroup(pages, rows) for pages, rows in groups]
+    shared = _batch_groups(plan_groups, lens, block_size, sliding_window, device) if groups else None
+    return DecodePlan(private_tables, private_bias, plan_groups, shared)
+
+
+def _batch_groups(groups: list[PrefixGroup], lens: torch.Tensor, block_size: int, sliding_window: int | None,
+                  device: torch.device | None) -> SharedPrefixes:
+    """Pad the groups into one batch (SharedPrefixes)."""
+    max_pages = max(len(g.pages) for g in groups)
+    max_members = max(len(g.rows) for g in groups)
+    tables = [g.pages + [g.pages[0]] * (max_pages - len(g.pages)) for g in groups]
+    member_rows = [g.rows + [g.rows[0]] * (max_members - len(g.rows)) for g in groups]
+    rows = [r for g in groups for r in g.rows]
+    slots = [gi * max_members + j for gi, g in enumerate(groups) for j in range(len(g.rows))]
+    shared_pos = torch.arange(max_pages * block_size, device=device)  # [Ls]
+    group_len = torch.tensor([len(g.pages) * block_size for g in groups], device=device)  # [num_groups]
+    visible = shared_pos[None, None, :] < group_len[:, None, None]  # [num_groups, 1, Ls]
+    empty = None
+    member_rows_t = torch.tensor(member_rows, dtype=torch.int64, device=device)
+    if sliding_window is not None:  # each member sees the part of its prefix inside its window
+        seen = shared_pos[None, None, :] >= lens[member_rows_t][:, :, None] - sliding_window
+        visible = visible & seen  # [num_groups, max_members, Ls]
+        empty = ~visible.reshape(-1, visible.shape[-1]).any(dim=1)[torch.tensor(slots, device=device)]
+        visible = visible | _empty_rows(visible)  # rows that see nothing: unmasked, then weighted 0
+    return SharedPrefixes(
+        tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        member_rows=member_rows_t,
+        bias=_bias(visible)[:, None, :, None, :],
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        empty=empty,
+    )
+
+
+def _empty_rows(visible: torch.Tensor) -> torch.Tensor:
+    """[..., L] bool: True across the rows of `visible` that see nothing (so they stay finite)."""
+    return ~visible.any(dim=-1, keepdim=True)
 
 
 def _bias(visible: torch.Tensor) -> torch.Tensor:
@@ -153,22 +194,27 @@ def cascade_decode_attention(
     v = v_cache.index_select(0, private.reshape(-1)).view(num_seqs, -1, num_kv_heads, head_dim).float()
     out, lse = _flash(q_rows, k.transpose(1, 2), v.transpose(1, 2), plan.private_bias, scale)
     # out [num_seqs, num_kv_heads, group_size, head_dim], lse [num_seqs, num_kv_heads, group_size]
-    for group in plan.groups:
-        members = group.rows.shape[0]
-        k_shared = k_cache.index_select(0, group.pages).view(1, -1, num_kv_heads, head_dim).float()
-        v_shared = v_cache.index_select(0, group.pages).view(1, -1, num_kv_heads, head_dim).float()
-        q_group = q_rows.index_select(0, group.rows)  # [members, num_kv_heads, group_size, head_dim]
-        q_group = q_group.transpose(0, 1).reshape(1, num_kv_heads, members * group_size, head_dim)
-        bias = None
-        if group.window_bias is not None:  # rows ordered (member, head): each member's mask repeats
-            bias = group.window_bias.expand(members, 1, group_size, -1).reshape(1, 1, members * group_size, -1)
-        out_s, lse_s = _flash(q_group, k_shared.transpose(1, 2), v_shared.transpose(1, 2), bias, scale)
-        out_s = out_s.view(num_kv_heads, members, group_size, head_dim).transpose(0, 1)
-        lse_s = lse_s.view(num_kv_heads, members, group_size).transpose(0, 1)
-        if group.window_empty is not None:  # a row that sees nothing shared gets weight 0, not exp(0)
-            lse_s = lse_s.masked_fill(group.window_empty[:, None, None], float("-inf"))
-        out_p, lse_p = out.index_select(0, group.rows), lse.index_select(0, group.rows)
-        lse_all = torch.logaddexp(lse_p, lse_s)  # [members, num_kv_heads, group_size]
-        merged = out_p * torch.exp(lse_p - lse_all)[..., None] + out_s * torch.exp(lse_s - lse_all)[..., None]
-        out.index_copy_(0, group.rows, merged)
+    shared = plan.shared
+    if shared is None:
+        return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    num_groups, max_members = shared.member_rows.shape
+    k_shared = k_cache.index_select(0, shared.tables.reshape(-1)).view(num_groups, -1, num_kv_heads, head_dim)
+    v_shared = v_cache.index_select(0, shared.tables.reshape(-1)).view(num_groups, -1, num_kv_heads, head_dim)
+    rows_per_group = max_members * group_size
+    q_groups = q_rows.index_select(0, shared.member_rows.reshape(-1))  # [G * M, num_kv_heads, group_size, d]
+    q_groups = q_groups.view(num_groups, max_members, num_kv_heads, group_size, head_dim).transpose(1, 2)
+    bias = shared.bias.expand(-1, -1, max_members, group_size, -1).reshape(num_groups, 1, rows_per_group, -1)
+    out_s, lse_s = _flash(q_groups.reshape(num_groups, num_kv_heads, rows_per_group, head_dim),
+                          k_shared.float().transpose(1, 2), v_shared.float().transpose(1, 2), bias, scale)
+    # out_s [G, num_kv_heads, M * group_size, d] -> per slot [G * M, num_kv_heads, group_size, d]
+    out_s = out_s.view(num_groups, num_kv_heads, max_members, group_size, head_dim).transpose(1, 2)
+    out_s = out_s.reshape(num_groups * max_members, num_kv_heads, group_size, head_dim).index_select(0, shared.slots)
+    lse_s = lse_s.view(num_groups, num_kv_heads, max_members, group_size).transpose(1, 2)
+    lse_s = lse_s.reshape(num_groups * max_members, num_kv_heads, group_size).index_select(0, shared.slots)
+    if shared.empty is not None:  # a row that sees nothing shared gets weight 0
+        lse_s = lse_s.masked_fill(shared.empty[:, None, None], float("-inf"))
+    out_p, lse_p = out.index_select(0, shared.rows), lse.index_select(0, shared.rows)
+    lse_all = torch.logaddexp(lse_p, lse_s)  # [members, num_kv_heads, group_size]
+    merged = out_p * torch.exp(lse_p - lse_all)[..., None] + out_s * torch.exp(lse_s - lse_all)[..., None]
+    out.index_copy_(0, shared.rows, merged)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

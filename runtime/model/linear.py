@@ -1,9 +1,9 @@
 """Linear layers on the CPU through oneDNN, with each weight packed once into its blocked layout.
 
 torch's F.linear on the CPU repacks nothing and runs MKL's sgemm; oneDNN with a weight packed
-ahead of time runs this repo's decode and prefill shapes 1.2-1.8x faster on a 2-core AMD EPYC
-(bench/results/linear_onednn.json). Packing is the last step of loading: the dense weight is
-dropped, so a model is packed once its weights are final.
+ahead of time runs this repo's float32 shapes 1.1-2.1x faster on a 2-core AMD EPYC
+(bench/bench_linear.py, bench/results/linear_onednn.json). Packing is the last step of
+loading: the dense weight is dropped, so a model is packed once its weights are final.
 """
 
 from __future__ import annotations

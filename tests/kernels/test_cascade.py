@@ -99,7 +99,7 @@ def test_plan_shares_only_full_pages_below_every_members_newest_token():
     plan = cascade.plan_decode(tables, lens, 16)
     assert len(plan.groups) == 1
     group = plan.groups[0]
-    assert group.pages.tolist() == [7, 8] and group.rows.tolist() == [0, 1, 2]
+    assert group.pages == [7, 8] and group.rows == [0, 1, 2]
     # row 4 begins with page 7 too, but one common page is below the minimum: it reads alone
     assert plan.private_tables[0].tolist()[:2] == [9, 1]
     assert plan.private_tables[4].tolist()[:2] == [7, 3]

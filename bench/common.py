@@ -65,7 +65,10 @@ def machine_info() -> dict:
         pass
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            lines = f.read().splitlines()
+        info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+        info["cpu_flags"] = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     except OSError:
         pass
     try:

@@ -20,6 +20,8 @@ SCRIPTS = {
     "kv_memory": "bench_kv_memory.py",
     "parallel_sampling": "bench_parallel_sampling.py",
     "overhead": "bench_overhead.py",
+    "attention": "bench_attention.py",
+    "linear": "bench_linear.py",
     "prefix": "bench_prefix.py",
     "engine": "bench_engine.py",
     "serving": "bench_serving.py",

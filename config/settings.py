@@ -46,8 +46,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"engine.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"engine.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
 
 class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -18,6 +18,7 @@ from tqdm import tqdm
 import kernels
 from config import EngineSettings, load_engine_settings
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.dtypes import resolve_dtype
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model.config import ModelConfig, load_model_config
 from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
@@ -33,7 +34,6 @@ from runtime.tokenizer import ByteTokenizer, HFTokenizer
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -46,6 +46,8 @@ class Engine:
         self.model_name = model_name
         config = self.model_config
         self.block_size = settings.block_size
+        device = torch.device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, device)
         self.num_blocks = settings.num_blocks or self._blocks_for_budget(settings.kv_cache_memory_bytes)
         # pins may hold up to a quarter of the pool; one request must always fit in the rest
         self.pinned_block_budget = min(settings.pinned_block_budget, self.num_blocks // 4)
@@ -54,9 +56,8 @@ class Engine:
                                  config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
-        device = torch.device(settings.device)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, DTYPES[settings.dtype], backend)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -68,11 +69,11 @@ class Engine:
         self._ids = itertools.count()
         log.info(
             "engine ready", model=model_name, num_blocks=self.num_blocks, block_size=self.block_size,
-            max_model_len=self.max_model_len, device=settings.device, dtype=settings.dtype,
+            max_model_len=self.max_model_len, device=settings.device, dtype=str(self.dtype).removeprefix("torch."),
         )
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
-        bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(DTYPES[self.settings.dtype].itemsize)
+        bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         return max(1, budget_bytes // bytes_per_block)
 
     @classmethod
@@ -85,7 +86,7 @@ class Engine:
         """
         settings = load_engine_settings(settings_file, **overrides)
         device = torch.device(settings.device)
-        dtype = DTYPES[settings.dtype]
+        dtype = resolve_dtype(settings.dtype, device)
         if str(model) == "demo":
             log.warning("loading the demo model: RANDOM weights, its text is noise", model=DEMO_MODEL_NAME)
             return cls(build_demo_model(device, dtype), ByteTokenizer(), settings, DEMO_MODEL_NAME)

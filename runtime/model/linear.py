@@ -2,8 +2,13 @@
 
 torch's F.linear on the CPU repacks nothing and runs MKL's sgemm; oneDNN with a weight packed
 ahead of time runs this repo's float32 shapes 1.1-2.1x faster on a 2-core AMD EPYC
-(bench/bench_linear.py, bench/results/linear_onednn.json). Packing is the last step of
-loading: the dense weight is dropped, so a model is packed once its weights are final.
+(bench/bench_linear.py, bench/results/linear_onednn.json), most at decode sizes.
+
+oneDNN builds a primitive for each new input shape (~0.4 ms per linear here) and caches it,
+so a server whose batch size changes every step would pay that again and again. The packed
+path therefore serves inputs of up to PACKED_MAX_TOKENS rows, whose primitives `warm_up`
+builds once at start; longer inputs (prefill chunks, where the gain is smallest) take
+F.linear on the dense weight, which is kept.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+PACKED_MAX_TOKENS = 128  # 4 layer shapes x 128 sizes: 512 primitives, within oneDNN's cache of 1024
 
 
 @functools.cache
@@ -32,11 +39,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:  # opaque oneDNN tensor of weigh
 
 def linear(
     x: torch.Tensor,  # [num_tokens, in_features]
-    weight: torch.Tensor,  # [out_features, in_features] (empty once packed)
+    weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None,  # [out_features]
     packed: torch.Tensor | None,  # pack(weight), or None
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """x @ weight.T + bias, through the packed weight when there is one."""
-    if packed is None:
+    """x @ weight.T + bias, through the packed weight when there is one and x is short enough."""
+    if packed is None or x.shape[0] > PACKED_MAX_TOKENS:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> int:
+    """Build the packed path's primitives for every size it serves; returns how many shapes were built.
+
+    `weights`: (weight, bias, packed) per layer; one of each distinct shape is enough, as
+    oneDNN caches primitives by shape, not by data.
+    """
+    seen = set()
+    for weight, bias, packed in weights:
+        key = (tuple(weight.shape), weight.dtype, bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in range(1, PACKED_MAX_TOKENS + 1):
+            linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, bias, packed)
+    return len(seen)

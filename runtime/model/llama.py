@@ -113,12 +113,13 @@ class LlamaForCausalLM(nn.Module):
         return self.eval()
 
     def pack_linear_weights(self) -> bool:
-        """On the CPU, move the layers' matmul weights into oneDNN's packed layout (runtime/model/linear.py).
+        """On the CPU, add oneDNN's packed layout of the layers' matmul weights (runtime/model/linear.py).
 
-        The last step of loading: the dense copies are dropped. Embeddings and the LM head
-        stay dense. Returns whether anything was packed.
+        The last step of loading (the packed copies do not follow later changes to the
+        weights). Builds the packed path's primitives too. Embeddings and the LM head stay
+        as they are. Returns whether anything was packed.
         """
-        packed = False
+        packed = []
         for layer in self.layers:
             for module, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
                                  (layer.mlp, "down")):
@@ -126,9 +127,10 @@ class LlamaForCausalLM(nn.Module):
                 if getattr(module, f"{name}_packed") is not None or not linear.can_pack(weight):
                     continue
                 setattr(module, f"{name}_packed", linear.pack(weight))
-                weight.data = weight.data.new_empty(0)
-                packed = True
-        return packed
+                packed.append((weight, getattr(module, f"{name}_bias"), getattr(module, f"{name}_packed")))
+        with torch.inference_mode():
+            linear.warm_up(packed)
+        return bool(packed)
 
     def forward(
         self,

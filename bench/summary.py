@@ -84,6 +84,12 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
             out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, {name} load",
                         f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
                         f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
+    vllm_bf16 = load("vllm_offline_bfloat16", quick)
+    if vllm_bf16:
+        for name, row in vllm_bf16["summary"].items():
+            out.append((f"offline output tok/s vs vLLM 0.32.0 (CPU), 23M Llama, {name} load, both bfloat16",
+                        f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
+                        f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
     vllm_serving = load("vllm_serving", quick)
     if vllm_serving:
         for name, row in vllm_serving["summary"].items():

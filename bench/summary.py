@@ -78,16 +78,10 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
         for r in overhead["rows"]:
             out.append((f"engine overhead, {r['model']}, batch {r['batch']}", f"{r['overhead_pct']}% of "
                         f"{r['step_ms']:.1f} ms", "goal < 10%", "met" if r["overhead_pct"] < 10 else "not met"))
-    vllm = load("vllm_offline", quick)
-    if vllm:
-        for name, row in vllm["summary"].items():
-            out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, {name} load",
-                        f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
-                        f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
-    vllm_bf16 = load("vllm_offline_bfloat16", quick)
-    if vllm_bf16:
-        for name, row in vllm_bf16["summary"].items():
-            out.append((f"offline output tok/s vs vLLM 0.32.0 (CPU), 23M Llama, {name} load, both bfloat16",
+    for result, suffix in (("vllm_offline", ""), ("vllm_offline_bfloat16", ", both bfloat16")):
+        for name, row in (load(result, quick) or {}).get("summary", {}).items():
+            out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, "
+                        f"{name} load{suffix}",
                         f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
                         f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
     vllm_serving = load("vllm_serving", quick)

@@ -22,6 +22,7 @@ SCRIPTS = {
     "overhead": "bench_overhead.py",
     "attention": "bench_attention.py",
     "linear": "bench_linear.py",
+    "contention": "bench_contention.py",
     "prefix": "bench_prefix.py",
     "engine": "bench_engine.py",
     "serving": "bench_serving.py",

@@ -102,7 +102,7 @@ def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    block_tables: torch.Tensor | None,  # int32 [num_seqs, max_blocks_per_seq]; may be None with a plan
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
     backend: str = "auto",
@@ -116,11 +116,15 @@ def paged_decode_attention(
     Triton ignores it.
     """
     if _backend_for(backend, q) == "triton":
+        if block_tables is None:
+            raise ValueError("the Triton decode kernel needs block_tables (it does not read a plan)")
         return _triton_kernels().paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
         )
     if plan is not None:
         return cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale)
+    if block_tables is None:
+        raise ValueError("paged_decode_attention needs block_tables or a plan")
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
 

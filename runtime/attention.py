@@ -24,7 +24,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]; None when decode_plan has the pages
     decode_context_lens: torch.Tensor  # int32 [num_decodes]
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets into the chunk rows

@@ -84,7 +84,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_decode_tokens=nd,
-            decode_block_tables=_padded(tables[:nd], device),
+            decode_block_tables=_padded(tables[:nd], device) if plan is None else None,  # else in the plan
             decode_context_lens=torch.tensor(context_lens[:nd], dtype=torch.int32, device=device),
             prefill_block_tables=_padded(tables[nd:], device),
             prefill_query_start_loc=torch.tensor(prefill_starts, dtype=torch.int32, device=device),

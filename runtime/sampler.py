@@ -9,12 +9,14 @@ on what else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 import torch
 
 from runtime.request import Sequence
 
 
+@dataclass
 class PenaltyCounts:
     """One sequence's token counts for penalties, kept up to date as tokens are added.
 
@@ -22,27 +24,29 @@ class PenaltyCounts:
     so a penalised step costs O(vocab), not O(tokens).
     """
 
-    def __init__(self, token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -> None:
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]; in prompt or output
-        self.seen[torch.tensor(token_ids, dtype=torch.long)] = True
-        self.output_counts = torch.bincount(torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long),
-                                            minlength=vocab_size).float()  # [vocab]
+    seen: torch.Tensor  # bool [vocab]; in the prompt or the output
+    output_counts: torch.Tensor  # float32 [vocab]; times each token was generated
+
+    @classmethod
+    def from_tokens(cls, token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -> PenaltyCounts:
+        seen = torch.zeros(vocab_size, dtype=torch.bool)
+        seen[torch.tensor(token_ids, dtype=torch.long)] = True
+        outputs = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long)
+        return cls(seen, torch.bincount(outputs, minlength=vocab_size).float())
 
     def add(self, token_id: int) -> None:
         self.seen[token_id] = True
         self.output_counts[token_id] += 1
 
     def copy(self) -> PenaltyCounts:
-        clone = PenaltyCounts.__new__(PenaltyCounts)
-        clone.seen, clone.output_counts = self.seen.clone(), self.output_counts.clone()
-        return clone
+        return PenaltyCounts(self.seen.clone(), self.output_counts.clone())
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vocab]
     """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI)."""
     params = seq.params
     if seq.penalty_counts is None:
-        seq.penalty_counts = PenaltyCounts(seq.token_ids, seq.num_prompt_tokens, logits.shape[0])
+        seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, logits.shape[0])
     counts = seq.penalty_counts
     logits = logits.clone()
     if params.repetition_penalty != 1.0:

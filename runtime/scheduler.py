@@ -72,20 +72,16 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.kv.has_room(seq, num_new):  # a decode inside its last page: nothing to take
-                self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
-                self._add_to_batch(batch, seq, num_new, scheduled)
-                budget -= num_new
-                continue
-            while not self.kv.can_allocate(seq, num_new):
-                victim = self._pick_victim(seq, scheduled)
-                self.preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+            if not self.kv.has_room(seq, num_new):  # most decodes write inside their last page
+                while not self.kv.can_allocate(seq, num_new):
+                    victim = self._pick_victim(seq, scheduled)
+                    self.preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                batch.blocks_to_copy += self.kv.allocate(seq, num_new)
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             self._add_to_batch(batch, seq, num_new, scheduled)
             budget -= num_new

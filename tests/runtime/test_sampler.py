@@ -49,6 +49,23 @@ def test_penalties_match_their_formulas():
     assert out.tolist() == pytest.approx(expected)
 
 
+def test_penalty_counts_kept_as_tokens_arrive_equal_a_fresh_count():
+    params = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    seq = make_seq("p", [0, 1], **params)
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0, 1.0])
+    apply_penalties(logits, seq)  # counts are made here, then kept up to date
+    for token in (4, 2, 4):
+        seq.append_token(token)
+    child = seq.fork(1, seq.detokenizer.copy())
+    child.append_token(3)  # the fork's counts are its own
+    fresh = make_seq("q", [0, 1], **params)
+    fresh.token_ids += [4, 2, 4]
+    assert apply_penalties(logits, seq).tolist() == pytest.approx(apply_penalties(logits, fresh).tolist())
+    fresh.token_ids.append(3)
+    fresh.penalty_counts = None
+    assert apply_penalties(logits, child).tolist() == pytest.approx(apply_penalties(logits, fresh).tolist())
+
+
 def test_top_k_one_equals_greedy(engine):
     prompt = _prompt(1)
     greedy = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]

@@ -9,11 +9,15 @@ inputs, alternated, median of the repeats:
              then SDPA with a mask (the CPU path before this benchmark, and the oracle);
 - per_seq:   kernels/cascade.py with no groups: each row's pages, query heads of a KV head as
              rows of torch's CPU flash kernel (no K/V repeat for GQA);
+- one_bucket: cascade with every row's private pages padded to the longest row's (the plan
+             before private buckets);
 - cascade:   kernels/cascade.py with its plan: each shared prefix once per group, merged by
-             log-sum-exp with each row's private pages.
+             log-sum-exp with each row's private pages, padded per bucket of similar rows.
 Loads: the issue's goal shape (64 readers of one 1,024-token prefix, 64-token private
 suffixes); the serving shape (96 rows, 4 prefixes x 384 + 32-80 private); no sharing
-(64 rows, 64-256 tokens). Outputs are checked against the reference before timing.
+(64 rows, 64-256 tokens); a served random load, as `vllm bench serve --dataset-name random`
+left it mid-run (80 rows: 8 groups of 2-16 over 4-23 shared pages, private parts of 2-15
+pages, one row of 36). Outputs are checked against the reference before timing.
 --flex also times torch's flex_attention (torch.compile, ~20 s) on the goal shape with K/V
 already contiguous per row (its best case; it has no paged form here).
 Results: bench/results/attention.json.
@@ -66,6 +70,10 @@ LOADS = {
     "goal_64x1024_shared": lambda: make_load([(1024, [1024 + 64] * 64)], [], 0),
     "serving_4x384_shared": lambda: make_load([(384, [384 + 32 + (7 * i) % 48 for i in range(24)])] * 4, [], 1),
     "no_sharing_64": lambda: make_load([], [64 + (37 * i) % 192 for i in range(64)], 2),
+    "served_random_80": lambda: make_load(
+        [(pages * BS, [pages * BS + 20 + (53 * (i + j)) % 210 for j in range(members)])
+         for i, (pages, members) in enumerate([(23, 16), (14, 8), (7, 8), (4, 4), (5, 4), (4, 2), (5, 2), (8, 2)])],
+        [30 + (41 * i) % 210 for i in range(33)] + [580], 4),
 }
 
 
@@ -99,9 +107,11 @@ def measure_load(name: str, load, repeats: int, iters: int) -> dict:
     scale = D**-0.5
     plan = cascade.plan_decode(tables, lens.tolist(), BS)
     no_groups = cascade.plan_decode(tables, lens.tolist(), BS, min_shared_pages=10**9)
+    one_bucket = cascade.plan_decode(tables, lens.tolist(), BS, bucket_call_pages=10**9)
     paths = {
         "gather": lambda: reference.paged_decode_attention(q, k_cache, v_cache, padded, lens, scale),
         "per_seq": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, no_groups, scale),
+        "one_bucket": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, one_bucket, scale),
         "cascade": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale),
     }
     expected = paths["gather"]()
@@ -116,14 +126,17 @@ def measure_load(name: str, load, repeats: int, iters: int) -> dict:
     plan_ms = time_ms(lambda: cascade.plan_decode(tables, lens.tolist(), BS), iters)
     result = {
         "rows": len(tables), "groups": len(plan.groups), "shared_rows": plan.num_shared_rows,
+        "private_buckets": len(plan.private),
         "median_ms": medians, "runs_ms": times, "plan_ms_per_step": plan_ms,
         "cascade_vs_per_seq": medians["per_seq"] / medians["cascade"],
         "cascade_vs_gather": medians["gather"] / medians["cascade"],
         "per_seq_vs_gather": medians["gather"] / medians["per_seq"],
+        "cascade_vs_one_bucket": medians["one_bucket"] / medians["cascade"],
     }
     log(f"{name}: " + " ".join(f"{p} {m:.2f} ms" for p, m in medians.items())
         + f" | cascade x{result['cascade_vs_per_seq']:.1f} per_seq, "
-          f"x{result['cascade_vs_gather']:.1f} gather; plan {plan_ms:.2f} ms/step")
+          f"x{result['cascade_vs_gather']:.1f} gather, x{result['cascade_vs_one_bucket']:.1f} one bucket "
+          f"({len(plan.private)} buckets); plan {plan_ms:.2f} ms/step")
     return result
 
 

@@ -21,10 +21,23 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from common import (REPO, alternated, free_port, log, machine_info, make_random_llama, median, start_process,
-                    stop_process, wait_http, write_result)
+from common import (
+    REPO,
+    CpuSampler,
+    alternated,
+    free_port,
+    log,
+    machine_info,
+    make_random_llama,
+    median,
+    start_process,
+    stop_process,
+    wait_http,
+    write_result,
+)
 
 VENV = REPO / "bench" / ".venv-vllm" / "bin"
 MODEL_NAME = "llama-23m"
@@ -59,22 +72,37 @@ def start_servers(model: Path, root: Path) -> dict[str, tuple[subprocess.Popen, 
     return servers
 
 
-def bench_serve(url: str, model: Path, load: str, num_prompts: int, seed: int, out_dir: Path) -> dict:
+def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: int, seed: int, out_dir: Path) -> dict:
+    """One `vllm bench serve` run: its metrics, and the CPU seconds the server and the client spent in it."""
     name = f"{load}-{url.rsplit(':', 1)[1]}-{seed}.json"
     command = [str(VENV / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
                "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(model),
                *LOADS[load], "--num-prompts", str(num_prompts), "--request-rate", "16", "--ignore-eos",
                "--seed", str(seed), "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                   env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"})
+    client = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"},
+                              start_new_session=True)
+    sampler = CpuSampler([server_pid, client.pid])
+    client.wait()
+    ended = time.monotonic()
+    sampler.stop()
+    if client.returncode != 0:
+        raise RuntimeError(f"vllm bench serve exited with {client.returncode}")
     result = json.loads((out_dir / name).read_text())
-    return {key: result.get(key) for key in KEYS}
+    row = {key: result.get(key) for key in KEYS}
+    # CPU during the timed run only (the client's start-up, imports and dataset, is left out): the
+    # run ends just before the client writes its result and exits
+    server_cpu, client_cpu = sampler.window(ended - result["duration"] - 0.3, ended - 0.3)
+    row |= {"duration_s": round(result["duration"], 2), "server_cpu_s": round(server_cpu, 2),
+            "client_cpu_s": round(client_cpu, 2)}
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     args = parser.parse_args()
     if not (VENV / "vllm").exists():
         log("no vLLM peer: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
@@ -85,14 +113,14 @@ def main() -> None:
     root = Path(tmp.name)
     model = make_random_llama(root / MODEL_NAME, num_layers=8, num_kv_heads=2)
     servers = start_servers(model, root)
-    runs: dict[str, dict[str, list[dict]]] = {load: {s: [] for s in servers} for load in LOADS}
+    runs: dict[str, dict[str, list[dict]]] = {load: {s: [] for s in servers} for load in args.loads}
     try:
-        for load in LOADS:
-            bench_serve(servers["pagedserve"][1], model, load, 8, 99, root)  # warm-up, untimed
-            bench_serve(servers["vllm"][1], model, load, 8, 99, root)
+        for load in args.loads:
+            bench_serve(servers["pagedserve"][1], servers["pagedserve"][0].pid, model, load, 8, 99, root)  # warm-up, untimed
+            bench_serve(servers["vllm"][1], servers["vllm"][0].pid, model, load, 8, 99, root)
             for repeat, system in alternated(list(servers), repeats):
                 log(f"{load}, repeat {repeat + 1}/{repeats}: vllm bench serve -> {system}")
-                row = bench_serve(servers[system][1], model, load, num_prompts, 1000 + repeat, root)
+                row = bench_serve(servers[system][1], servers[system][0].pid, model, load, num_prompts, 1000 + repeat, root)
                 log(f"  {row}")
                 runs[load][system].append(row)
     finally:

@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -248,6 +249,49 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def cpu_seconds(pids: Sequence[int]) -> list[float]:
+    """User + system CPU seconds so far of each pid's session (a server and its workers, or a client)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(pids, 0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        session = int(fields[3])  # field 6 of stat
+        if session in totals:
+            totals[session] += int(fields[11]) + int(fields[12])  # utime, stime
+    return [totals[pid] / tick for pid in pids]
+
+
+class CpuSampler:
+    """Samples the CPU seconds of some process sessions 20 times a second, to read any window afterwards."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self.samples: list[tuple[float, list[float]]] = []  # (monotonic time, CPU seconds per pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), cpu_seconds(self.pids)))
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.monotonic(), cpu_seconds(self.pids)))
+
+    def window(self, start: float, end: float) -> list[float]:
+        """CPU seconds each session spent between two monotonic times (nearest samples inside)."""
+        inside = [cpu for t, cpu in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            return [0.0] * len(self.pids)
+        return [b - a for a, b in zip(inside[0], inside[-1])]
 
 
 def tail(path: Path | None, num_chars: int = 2000) -> str:

@@ -10,8 +10,10 @@ pages separately; the two partial results merge exactly through their log-sum-ex
 
     out = (exp(lse_s) * out_s + exp(lse_p) * out_p) / (exp(lse_s) + exp(lse_p))
 
-A sequence in no group has only a private part: that is the per-sequence paged path. Both
-parts use torch's CPU flash-attention kernel with a decode trick for grouped-query attention:
+A sequence in no group has only a private part: that is the per-sequence paged path. Private
+parts are padded per bucket of rows of similar length, not all to the longest row: one long
+sequence in a batch of short ones would otherwise multiply the pages copied and attended.
+Both parts use torch's CPU flash-attention kernel with a decode trick for grouped-query attention:
 the query heads that share a KV head are that head's query rows, so K/V are never repeated.
 
 The plan (which rows share which pages) is computed once per step from the block tables
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_SHARED_PAGES = 2  # a shorter common prefix is cheaper read per sequence
+BUCKET_CALL_PAGES = 24  # what one more flash call per layer costs, in (row x page) units of padding
 
 
 @dataclass
@@ -52,17 +55,37 @@ class SharedPrefixes:
 
 
 @dataclass
-class DecodePlan:
-    """Per step: every decode row's private pages, and the groups that read a shared prefix."""
+class PrivateBucket:
+    """Decode rows whose private pages are padded to one width: one flash call per layer."""
 
-    private_tables: torch.Tensor  # int32 [num_seqs, max_private_pages]; pages after the shared prefix
-    private_bias: torch.Tensor  # float32 [num_seqs, 1, 1, max_private_pages * block_size]; 0 or -inf
+    rows: torch.Tensor | None  # int64 [n]; decode rows; None: every row, in order
+    tables: torch.Tensor  # int32 [n, width]; pages after each row's shared prefix
+    bias: torch.Tensor  # float32 [n, 1, 1, width * block_size]; 0 or -inf
+
+
+@dataclass
+class DecodePlan:
+    """Per step: every decode row's private pages (in buckets), and the groups that read a shared prefix."""
+
+    num_seqs: int
+    private: list[PrivateBucket]
     groups: list[PrefixGroup] = field(default_factory=list)
     shared: SharedPrefixes | None = None  # the groups, batched; None without groups
 
     @property
     def num_shared_rows(self) -> int:
         return sum(len(g.rows) for g in self.groups)
+
+    def private_pages(self, row: int) -> list[int]:
+        """The pages decode row `row` reads on its own (its bucket's padding left out)."""
+        for bucket in self.private:
+            rows = list(range(self.num_seqs)) if bucket.rows is None else bucket.rows.tolist()
+            if row in rows:
+                i = rows.index(row)
+                num_visible = int((bucket.bias[i, 0, 0] == 0).sum())
+                block_size = bucket.bias.shape[-1] // max(bucket.tables.shape[1], 1)
+                return bucket.tables[i].tolist()[: -(-num_visible // block_size)]
+        raise ValueError(f"row {row} is in no bucket of a plan for {self.num_seqs} rows")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -80,6 +103,7 @@ def plan_decode(
     sliding_window: int | None = None,
     device: torch.device | None = None,
     min_shared_pages: int = MIN_SHARED_PAGES,
+    bucket_call_pages: int = BUCKET_CALL_PAGES,
 ) -> DecodePlan:
     """Group decode rows by the physical pages their tables start with.
 
@@ -87,7 +111,8 @@ def plan_decode(
     that order, a row joins the group before it while that saves page reads (the group's
     prefix is what all its members share). Shared pages stop before the page holding any
     member's newest token, so every row keeps a private part (its own token at least) and
-    the shared pages are full for all members. Groups of one are per-sequence rows.
+    the shared pages are full for all members. Groups of one are per-sequence rows. The
+    private parts go in buckets (`bucket_rows`).
     """
     num_seqs = len(tables)
     if len(context_lens) != num_seqs:
@@ -116,19 +141,59 @@ def plan_decode(
             for i in rows:
                 shared_pages[i] = num_pages
     private = [table[shared:] for table, shared in zip(tables, shared_pages)]
-    width = max((len(p) for p in private), default=0)
-    private_tables = torch.tensor([p + [0] * (width - len(p)) for p in private], dtype=torch.int32,
-                                  device=device).reshape(num_seqs, width)
     starts = torch.tensor(shared_pages, dtype=torch.int64, device=device) * block_size  # [num_seqs]
     lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # [num_seqs]
-    positions = starts[:, None] + torch.arange(width * block_size, device=device)[None, :]  # [num_seqs, Lp]
-    visible = positions < lens[:, None]
-    if sliding_window is not None:
-        visible &= positions >= lens[:, None] - sliding_window
-    private_bias = _bias(visible)[:, None, None, :]
+    buckets = []
+    for rows in bucket_rows([len(p) for p in private], bucket_call_pages):
+        width = max((len(private[r]) for r in rows), default=0)
+        bucket_tables = torch.tensor([private[r] + [0] * (width - len(private[r])) for r in rows], dtype=torch.int32,
+                                     device=device).reshape(len(rows), width)
+        every_row = len(rows) == num_seqs
+        index = None if every_row else torch.tensor(rows, dtype=torch.int64, device=device)
+        row_starts, row_lens = (starts, lens) if every_row else (starts[index], lens[index])
+        positions = row_starts[:, None] + torch.arange(width * block_size, device=device)[None, :]  # [n, Lp]
+        visible = positions < row_lens[:, None]
+        if sliding_window is not None:
+            visible &= positions >= row_lens[:, None] - sliding_window
+        buckets.append(PrivateBucket(index, bucket_tables, _bias(visible)[:, None, None, :]))
     plan_groups = [PrefixGroup(pages, rows) for pages, rows in groups]
     shared = _batch_groups(plan_groups, lens, block_size, sliding_window, device) if groups else None
-    return DecodePlan(private_tables, private_bias, plan_groups, shared)
+    return DecodePlan(num_seqs, buckets, plan_groups, shared)
+
+
+def bucket_rows(widths: list[int], call_pages: int = BUCKET_CALL_PAGES) -> list[list[int]]:
+    """Rows split into buckets, each padded to its longest: least padding plus calls.
+
+    Over the distinct widths in ascending order, a bucket is a run of them; its cost is its
+    rows times its widest (the pages read, padding included) plus `call_pages` for the call.
+    The cheapest split is a small dynamic program over the distinct widths (at most a few
+    dozen). Rows keep ascending order within a bucket; one bucket holds them all in order.
+    """
+    if not widths:
+        return []
+    distinct = sorted(set(widths))
+    counts = [0] * len(distinct)
+    where = {w: i for i, w in enumerate(distinct)}
+    for w in widths:
+        counts[where[w]] += 1
+    below = [0]  # rows with width below distinct[i]
+    for c in counts:
+        below.append(below[-1] + c)
+    best = [0.0] + [float("inf")] * len(distinct)  # best[j]: cheapest split of the first j widths
+    cut = [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):
+        for i in range(j):
+            cost = best[i] + (below[j] - below[i]) * distinct[j - 1] + call_pages
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds = []
+    j = len(distinct)
+    while j > 0:
+        bounds.append((distinct[cut[j]], distinct[j - 1]))
+        j = cut[j]
+    if len(bounds) == 1:
+        return [list(range(len(widths)))]
+    return [[r for r, w in enumerate(widths) if lo <= w <= hi] for lo, hi in reversed(bounds)]
 
 
 def _batch_groups(groups: list[PrefixGroup], lens: torch.Tensor, block_size: int, sliding_window: int | None,
@@ -175,6 +240,15 @@ def _flash(q, k, v, bias, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
 
 
+def _private_attention(q_rows, k_cache, v_cache, bucket: PrivateBucket, scale: float):
+    """One bucket's rows over their own pages: (out [n, kv_heads, group, d], lse [n, kv_heads, group])."""
+    n, num_kv_heads, _, head_dim = q_rows.shape
+    pages = bucket.tables.reshape(-1)
+    k = k_cache.index_select(0, pages).view(n, -1, num_kv_heads, head_dim).float()
+    v = v_cache.index_select(0, pages).view(n, -1, num_kv_heads, head_dim).float()
+    return _flash(q_rows, k.transpose(1, 2), v.transpose(1, 2), bucket.bias, scale)
+
+
 def cascade_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -185,14 +259,19 @@ def cascade_decode_attention(
     """Decode attention through `plan`: each shared prefix once per group, private pages per row."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if plan.private_tables.shape[0] != num_seqs:
-        raise ValueError(f"plan for {plan.private_tables.shape[0]} rows, but {num_seqs} queries")
+    if plan.num_seqs != num_seqs:
+        raise ValueError(f"plan for {plan.num_seqs} rows, but {num_seqs} queries")
     group_size = num_q_heads // num_kv_heads
     q_rows = q.float().reshape(num_seqs, num_kv_heads, group_size, head_dim)  # heads of one KV head as rows
-    private = plan.private_tables
-    k = k_cache.index_select(0, private.reshape(-1)).view(num_seqs, -1, num_kv_heads, head_dim).float()
-    v = v_cache.index_select(0, private.reshape(-1)).view(num_seqs, -1, num_kv_heads, head_dim).float()
-    out, lse = _flash(q_rows, k.transpose(1, 2), v.transpose(1, 2), plan.private_bias, scale)
+    if len(plan.private) == 1 and plan.private[0].rows is None:
+        out, lse = _private_attention(q_rows, k_cache, v_cache, plan.private[0], scale)
+    else:
+        out = q_rows.new_empty(q_rows.shape)
+        lse = q_rows.new_empty(q_rows.shape[:-1])
+        for bucket in plan.private:
+            out_b, lse_b = _private_attention(q_rows.index_select(0, bucket.rows), k_cache, v_cache, bucket, scale)
+            out.index_copy_(0, bucket.rows, out_b)
+            lse.index_copy_(0, bucket.rows, lse_b)
     # out [num_seqs, num_kv_heads, group_size, head_dim], lse [num_seqs, num_kv_heads, group_size]
     shared = plan.shared
     if shared is None:

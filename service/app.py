@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from config import Settings
 from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
-from service.bridge import EngineBridge, EngineLike
+from service.bridge import EngineBridge, EngineLike, EngineThread
 from service.api import dashboard
 from service.billing.journal import UsageJournal
 from service.billing.ledger import RedisLedger, SQLiteLedger
@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 
 
 def load_engine(settings: Settings) -> EngineLike:
-    """Build the runtime Engine that the settings name (runs in a worker thread)."""
+    """Build the runtime Engine that the settings name (runs on the engine thread, where it will step)."""
     from runtime import Engine
 
     engine_settings = {f: getattr(settings.engine, f) for f in settings.engine.__struct_fields__}
@@ -130,8 +130,13 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         ledger, pins, limiter, prefix_index, redis_client = build_stores(settings)
         journal = UsageJournal(Path(settings.server.data_dir) / "usage.journal", ledger)
         await journal.start()
-        engine = await asyncio.to_thread(engine_factory, settings)
-        bridge = EngineBridge(engine, asyncio.get_running_loop(), kv_events=True)
+        thread = EngineThread()
+        try:
+            engine = await thread.call(engine_factory, settings)
+        except BaseException:
+            thread.close()
+            raise
+        bridge = EngineBridge(engine, asyncio.get_running_loop(), kv_events=True, thread=thread)
         model_name = settings.server.served_model_name or engine.model_name
         replica_id = settings.server.replica_id or f"{socket.gethostname()}:{settings.server.port}"
         state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats), model_name, tenants,

@@ -9,14 +9,24 @@ runs `engine.step()`, and hands each step's outputs back to the loop once per st
     submit() --add-->  inbox  --> drain -> engine.add_request
     abort()  --abort-> inbox  --> drain -> engine.abort_request
     _deliver(outputs) <-- call_soon_threadsafe -- engine.step()
+
+The engine thread is also where the engine is built (`build_engine`): torch's OpenMP
+runtime (libgomp) keeps a pool of worker threads for every OS thread that runs a parallel
+region, so an engine built on one thread and stepped on another leaves two pools, four
+threads on a two-core machine. libgomp then stops spinning at its barriers and sleeps and
+wakes on a futex at every op. Served, the engine thread was off its CPU 15% of the time and
+its OpenMP worker 31%, each sleeping ~2,000 times a second; a decode step of 16 sequences
+takes ~1.3x as long built on another thread (bench/bench_contention.py, part 2).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,10 +120,46 @@ class _Abort:
 _STOP = object()
 
 
+class EngineThread:
+    """The one daemon thread that builds the engine and then runs it (see the module docstring).
+
+    Jobs run in the order submitted; `EngineBridge` submits its loop as the last one.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (callable, args, concurrent future) or None
+        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run fn(*args) on the engine thread; its result or exception comes back in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    async def call(self, fn: Callable, *args):
+        """Await fn(*args) run on the engine thread."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def close(self) -> None:
+        """The thread ends after the jobs already submitted."""
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+
 class EngineBridge:
     """Runs the engine on its own thread; streams its outputs to asyncio consumers."""
 
-    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, kv_events: bool = False) -> None:
+    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, kv_events: bool = False,
+                 thread: EngineThread | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -122,7 +168,8 @@ class EngineBridge:
         self.healthy = True
         self._stats_at = 0.0  # engine thread: when stats were last taken
         self._pin_futures: dict[str, asyncio.Future] = {}  # engine thread: pin prefill id -> loop future
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = thread or EngineThread()  # pass the thread that built the engine
+        self._running: concurrent.futures.Future | None = None
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
         self.on_kv_events = None  # loop-side callback(stored, removed) when kv_events is on
@@ -133,7 +180,7 @@ class EngineBridge:
     # --- loop side ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     def submit(self, stream: RequestStream, request: Request) -> None:
         """Register the stream and send its request (from engine.prepare_request) to the engine; returns at once."""
@@ -182,7 +229,9 @@ class EngineBridge:
             self.abort(request_id)
         self._stop_event.set()
         self.inbox.put(_STOP)
-        await asyncio.to_thread(self._thread.join, 10.0)
+        if self._running is not None:
+            await asyncio.to_thread(concurrent.futures.wait, [self._running], 10.0)
+        self._thread.close()
 
     def _deliver(self, outputs: list[RequestOutput], stats: dict | None, failed: dict[str, Exception],
                  events: tuple[list[bytes], list[bytes]] | None = None) -> None:

@@ -63,6 +63,8 @@ CASES = [  # (groups, loners, num_q_heads, num_kv_heads, head_dim, block_size, s
     ([(96, [97, 120, 150, 101])], [200, 3], 8, 1, 16, 16, None),  # MQA
     ([(64, [70, 90, 130])], [30], 8, 2, 16, 16, 24),  # window: one member sees none of the prefix
     ([(64, [66, 80])], [12], 8, 2, 16, 16, 60),  # window cuts into the shared prefix
+    ([(32, [40, 33])], [3, 5, 300, 9, 17], 8, 2, 16, 8, None),  # one long row: private parts in buckets
+    ([], [3, 250, 5, 12, 260], 4, 2, 8, 8, 40),  # buckets, no group, sliding window
 ]
 
 
@@ -101,12 +103,39 @@ def test_plan_shares_only_full_pages_below_every_members_newest_token():
     group = plan.groups[0]
     assert group.pages == [7, 8] and group.rows == [0, 1, 2]
     # row 4 begins with page 7 too, but one common page is below the minimum: it reads alone
-    assert plan.private_tables[0].tolist()[:2] == [9, 1]
-    assert plan.private_tables[4].tolist()[:2] == [7, 3]
+    assert plan.private_pages(0) == [9, 1]
+    assert plan.private_pages(4) == [7, 3]
 
 
 def test_plan_ignores_prefixes_shorter_than_the_minimum():
     tables = [[7, 1], [7, 2], [7, 3]]
     plan = cascade.plan_decode(tables, [30, 30, 30], 16)  # one common page < MIN_SHARED_PAGES
     assert plan.groups == []
-    assert plan.private_tables.tolist() == [[7, 1], [7, 2], [7, 3]]
+    assert [plan.private_pages(i) for i in range(3)] == [[7, 1], [7, 2], [7, 3]]
+
+
+def test_bucket_rows_pads_short_rows_apart_from_a_long_one():
+    widths = [1] * 30 + [40] + [2] * 5
+    buckets = cascade.bucket_rows(widths, call_pages=8)
+    assert sorted(r for b in buckets for r in b) == list(range(len(widths)))  # every row once
+    long_bucket = next(b for b in buckets if 30 in b)
+    assert long_bucket == [30]  # 35 short rows padded to 40 pages would read 1,400 pages for ~40
+    assert all(b == sorted(b) for b in buckets)
+    cost = sum(len(b) * max(widths[r] for r in b) + 8 for b in buckets)
+    assert cost <= 30 * 1 + 5 * 2 + 40 + 3 * 8  # no worse than one bucket per distinct width
+    assert cost < len(widths) * 40 + 8  # and far better than one bucket
+
+
+def test_bucket_rows_keeps_similar_rows_in_one_call():
+    assert cascade.bucket_rows([5, 6, 5, 7], call_pages=48) == [[0, 1, 2, 3]]
+    assert cascade.bucket_rows([]) == []
+    assert cascade.bucket_rows([5, 6, 5, 7], call_pages=0) == [[0, 2], [1], [3]]  # free calls: no padding
+
+
+def test_a_plan_with_a_long_row_splits_its_private_parts():
+    tables = [[i] for i in range(6)] + [list(range(10, 50))]
+    lens = [10] * 6 + [40 * 16]
+    plan = cascade.plan_decode(tables, lens, 16)
+    assert len(plan.private) == 2
+    assert [b.tables.shape[1] for b in plan.private] == [1, 40]
+    assert plan.private_pages(6) == list(range(10, 50))

@@ -82,3 +82,32 @@ def test_metrics_expose_the_documented_names(server):
                  "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_inter_token_latency_seconds_bucket"):
         assert f"\n{name}" in text, name
     assert "pagedserve_kv_blocks_total 256.0" in text
+
+
+def test_the_engine_steps_on_the_thread_that_built_it(stories_dir):
+    # torch's OpenMP pool is per OS thread: building on one thread and stepping on another
+    # leaves two pools competing for the cores (service/bridge.py)
+    from service.app import load_engine
+    from tests.service.conftest import run_server, stories_settings
+    from tests.service.http import json_body
+
+    threads = {"built": None, "stepped": set()}
+
+    def factory(settings):
+        threads["built"] = threading.get_ident()
+        engine = load_engine(settings)
+        real_step = engine.step
+
+        def step():
+            threads["stepped"].add(threading.get_ident())
+            return real_step()
+
+        engine.step = step
+        return engine
+
+    with run_server(stories_settings(stories_dir), factory) as server:
+        body = json_body(server, "/v1/completions", {"model": "stories260K", "prompt": "Once upon a time",
+                                                       "max_tokens": 4, "ignore_eos": True})
+        assert body["usage"]["completion_tokens"] == 4
+    assert threads["stepped"] == {threads["built"]}
+    assert threads["built"] not in (threading.main_thread().ident, threading.get_ident())

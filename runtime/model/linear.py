@@ -4,11 +4,14 @@ torch's F.linear on the CPU repacks nothing and runs MKL's sgemm; oneDNN with a 
 ahead of time runs this repo's float32 shapes 1.1-2.1x faster on a 2-core AMD EPYC
 (bench/bench_linear.py, bench/results/linear_onednn.json), most at decode sizes.
 
-oneDNN builds a primitive for each new input shape (~0.4 ms per linear here) and caches it,
-so a server whose batch size changes every step would pay that again and again. The packed
-path therefore serves inputs of up to PACKED_MAX_TOKENS rows, whose primitives `warm_up`
-builds once at start; longer inputs (prefill chunks, where the gain is smallest) take
-F.linear on the dense weight, which is kept.
+oneDNN builds a primitive for each new input shape (~0.4 ms per linear here) and caches it
+(1,024 by default, least recently used out), so a server whose batch size changes every step
+would pay that again and again. Inputs of up to PACKED_MAX_TOKENS rows (decode batches) each
+have their primitive, which `warm_up` builds once at start. Longer inputs (prefill chunks) are
+padded with zero rows to a multiple of PADDED_ROW_STEP, so only a few more shapes are ever
+built, each once, on first use: at 129-4,096 rows that is 62 sizes x 4 layer shapes, and the
+cache never evicts the decode sizes. Inputs past PADDED_MAX_TOKENS take F.linear on the dense
+weight, which is kept.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-PACKED_MAX_TOKENS = 128  # 4 layer shapes x 128 sizes: 512 primitives, within oneDNN's cache of 1024
+PACKED_MAX_TOKENS = 128  # every size up to here has its own primitive, built at start
+PADDED_ROW_STEP = 64  # longer inputs are padded to a multiple of this
+PADDED_MAX_TOKENS = 4096  # 4 layer shapes x (128 + 62) sizes: 760 primitives, within oneDNN's cache of 1,024
 
 
 @functools.cache
@@ -43,10 +48,14 @@ def linear(
     bias: torch.Tensor | None,  # [out_features]
     packed: torch.Tensor | None,  # pack(weight), or None
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """x @ weight.T + bias, through the packed weight when there is one and x is short enough."""
-    if packed is None or x.shape[0] > PACKED_MAX_TOKENS:
+    """x @ weight.T + bias, through the packed weight when there is one and x is not too long."""
+    rows = x.shape[0]
+    if packed is None or rows > PADDED_MAX_TOKENS:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if rows <= PACKED_MAX_TOKENS:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    padded = F.pad(x, (0, 0, 0, -rows % PADDED_ROW_STEP))  # [rows rounded up, in_features]; zero rows
+    return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
 
 
 def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> int:

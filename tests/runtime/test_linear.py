@@ -1,4 +1,4 @@
-"""CPU matmuls through oneDNN's packed weights: same results as F.linear, on both sides of the cut."""
+"""CPU matmuls through oneDNN's packed weights: same results as F.linear, unpadded, padded, and past the cap."""
 
 import pytest
 import torch
@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not linear.onednn_available(), reason="this torc
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("rows", [1, 37, linear.PACKED_MAX_TOKENS, linear.PACKED_MAX_TOKENS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 37, linear.PACKED_MAX_TOKENS, linear.PACKED_MAX_TOKENS + 1, 192, 300,
+                                  linear.PADDED_MAX_TOKENS, linear.PADDED_MAX_TOKENS + 1])
 def test_packed_linear_matches_f_linear(rows, dtype, tol):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).to(dtype)

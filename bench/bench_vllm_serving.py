@@ -13,7 +13,7 @@ ignore_eos, fixed seeds), the comparison users make. Loads:
 Each at two request rates: 16 req/s (Poisson; the 96 arrivals span ~6 s, so no server can
 finish in less, which caps output tok/s near 1,000 and 770) and inf (`vllm bench serve`'s
 default: every request at once, a measure of capacity). Each (load, rate, repeat) runs both
-servers, in alternating order. Results:
+servers, in alternating order, on prompts of its own seed. Results:
 bench/results/vllm_serving.json (every run's vLLM result file is kept in it).
 """
 
@@ -127,8 +127,9 @@ def main() -> None:
         for load, rate in cases:
             for repeat, system in alternated(list(servers), repeats):
                 log(f"{load} at {rate} req/s, repeat {repeat + 1}/{repeats}: vllm bench serve -> {system}")
-                row = bench_serve(servers[system][1], servers[system][0].pid, model, load, num_prompts, 1000 + repeat,
-                                  root, rate)
+                # a fresh seed per (rate, repeat): the same prompts again would be prefix-cache hits
+                seed = 1000 + 100 * args.rates.index(rate) + repeat
+                row = bench_serve(servers[system][1], servers[system][0].pid, model, load, num_prompts, seed, root, rate)
                 log(f"  {row}")
                 runs[f"{load}@{rate}"][system].append(row)
     finally:

@@ -94,6 +94,13 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
                         f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
                         f"{peer['output_throughput']:.0f}; {peer['median_tpot_ms']:.0f}; {peer['p99_ttft_ms']:.0f}",
                         f"x{row['output_throughput_ratio']}; x{row['median_tpot_ratio']}; x{row['p99_ttft_ratio']}"))
+            if "vs_llama_cpp" in row:
+                third, ratio = row["median"]["llama.cpp"], row["vs_llama_cpp"]
+                out.append((f"vllm bench serve, {load_name}, {rate} req/s, vs llama.cpp's llama-server (16 slots): same",
+                            f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
+                            f"{third['output_throughput']:.0f}; {third['median_tpot_ms']:.0f}; {third['p99_ttft_ms']:.0f}",
+                            f"x{ratio['output_throughput_ratio']}; x{ratio['median_tpot_ratio']}; "
+                            f"x{ratio['p99_ttft_ratio']}"))
     attention = load("attention", quick)
     if attention:
         goal = attention["loads"]["goal_64x1024_shared"]

@@ -10,7 +10,7 @@ runs `engine.step()`, and hands each step's outputs back to the loop once per st
     abort()  --abort-> inbox  --> drain -> engine.abort_request
     _deliver(outputs) <-- call_soon_threadsafe -- engine.step()
 
-The engine thread is also where the engine is built (`build_engine`): torch's OpenMP
+The engine thread is also where the engine is built (`EngineThread`): torch's OpenMP
 runtime (libgomp) keeps a pool of worker threads for every OS thread that runs a parallel
 region, so an engine built on one thread and stepped on another leaves two pools, four
 threads on a two-core machine. libgomp then stops spinning at its barriers and sleeps and

@@ -28,10 +28,12 @@ class PenaltyCounts:
     output_counts: torch.Tensor  # float32 [vocab]; times each token was generated
 
     @classmethod
-    def from_tokens(cls, token_ids: list[int], num_prompt_tokens: int, vocab_size: int) -> PenaltyCounts:
-        seen = torch.zeros(vocab_size, dtype=torch.bool)
-        seen[torch.tensor(token_ids, dtype=torch.long)] = True
-        outputs = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long)
+    def from_tokens(cls, token_ids: list[int], num_prompt_tokens: int, vocab_size: int,
+                    device: torch.device | None = None) -> PenaltyCounts:
+        """Counts of `token_ids` (the first `num_prompt_tokens` of them the prompt), on the logits' device."""
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(token_ids, dtype=torch.long, device=device)] = True
+        outputs = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long, device=device)
         return cls(seen, torch.bincount(outputs, minlength=vocab_size).float())
 
     def add(self, token_id: int) -> None:
@@ -46,7 +48,8 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vo
     """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI)."""
     params = seq.params
     if seq.penalty_counts is None:
-        seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, logits.shape[0])
+        seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, logits.shape[0],
+                                                       logits.device)
     counts = seq.penalty_counts
     logits = logits.clone()
     if params.repetition_penalty != 1.0:

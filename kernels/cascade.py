@@ -61,6 +61,7 @@ class PrivateBucket:
     rows: torch.Tensor | None  # int64 [n]; decode rows; None: every row, in order
     tables: torch.Tensor  # int32 [n, width]; pages after each row's shared prefix
     bias: torch.Tensor  # float32 [n, 1, 1, width * block_size]; 0 or -inf
+    num_pages: list[int]  # each row's own private pages; the rest of its table row is padding
 
 
 @dataclass
@@ -82,9 +83,7 @@ class DecodePlan:
             rows = list(range(self.num_seqs)) if bucket.rows is None else bucket.rows.tolist()
             if row in rows:
                 i = rows.index(row)
-                num_visible = int((bucket.bias[i, 0, 0] == 0).sum())
-                block_size = bucket.bias.shape[-1] // max(bucket.tables.shape[1], 1)
-                return bucket.tables[i].tolist()[: -(-num_visible // block_size)]
+                return bucket.tables[i].tolist()[: bucket.num_pages[i]]
         raise ValueError(f"row {row} is in no bucket of a plan for {self.num_seqs} rows")
 
 
@@ -155,7 +154,8 @@ def plan_decode(
         visible = positions < row_lens[:, None]
         if sliding_window is not None:
             visible &= positions >= row_lens[:, None] - sliding_window
-        buckets.append(PrivateBucket(index, bucket_tables, _bias(visible)[:, None, None, :]))
+        buckets.append(PrivateBucket(index, bucket_tables, _bias(visible)[:, None, None, :],
+                                     [len(private[r]) for r in rows]))
     plan_groups = [PrefixGroup(pages, rows) for pages, rows in groups]
     shared = _batch_groups(plan_groups, lens, block_size, sliding_window, device) if groups else None
     return DecodePlan(num_seqs, buckets, plan_groups, shared)

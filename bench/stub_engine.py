@@ -82,8 +82,8 @@ class StubEngine:
     def record_kv_events(self) -> None:
         """No pages, so never any events."""
 
-    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        return [], []
+    def take_kv_events(self) -> list:
+        return []
 
     def pin_prefix(self, pin_id, prompt, cache_salt=None, shared_prefix_len=0) -> str:
         raise InvalidRequestError("the stub engine has no pages to pin", param="text", code="pin_budget_exceeded")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from runtime.kv_events import BlockRemoved, KVEvent
+
 
 class BlockPoolError(RuntimeError):
     """The pool was asked for something it cannot do, or its bookkeeping is inconsistent."""
@@ -101,7 +103,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[bytes, Block] = {}
         self.num_evictions = 0
-        self.kv_events: list[tuple[str, bytes]] | None = None  # ("stored" | "removed", hash) when recording
+        self.kv_events: list[KVEvent] | None = None  # when recording: removals here, stores by the KV manager
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,8 +155,6 @@ class BlockPool:
             return False  # same content computed twice at once: the first copy stays canonical
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block
-        if self.kv_events is not None:
-            self.kv_events.append(("stored", block_hash))
         return True
 
     def _evict(self, block: Block) -> None:
@@ -164,7 +164,7 @@ class BlockPool:
             raise BlockPoolError(f"{block} is hashed but not in hash_to_block")
         del self.hash_to_block[block.block_hash]
         if self.kv_events is not None:
-            self.kv_events.append(("removed", block.block_hash))
+            self.kv_events.append(BlockRemoved(block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
 

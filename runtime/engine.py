@@ -20,6 +20,7 @@ from config import EngineSettings, load_engine_settings
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.dtypes import resolve_dtype
 from runtime.kv_cache_manager import KVCacheManager
+from runtime.kv_events import KVEvent
 from runtime.model.config import ModelConfig, load_model_config
 from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
 from runtime.model.llama import LlamaForCausalLM
@@ -27,6 +28,7 @@ from runtime.model.loader import load_model
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from runtime.request import Request, Sequence, SequenceStatus
+from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
@@ -54,6 +56,9 @@ class Engine:
         self.num_schedulable_blocks = self.num_blocks - self.pinned_block_budget
         self.max_model_len = min(settings.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
+        self.limits = RequestLimits(config.vocab_size, self.block_size, self.max_model_len, settings.max_num_seqs,
+                                    self.num_schedulable_blocks)
+        self.builder = RequestBuilder(tokenizer, self.limits)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
@@ -103,7 +108,7 @@ class Engine:
 
         Encoding only; `prepare_request` checks the ids.
         """
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.builder.tokenize(prompt)
 
     def prepare_request(
         self,
@@ -115,32 +120,14 @@ class Engine:
         pin_id: str | None = None,
         prompt_param: str = "prompt",
     ) -> Request:
-        """Validate a request once and build it; `add` then queues it without checking again.
+        """Validate a request once and build it (`RequestBuilder.prepare_request`); `add` then queues it.
 
         Reads only what never changes after start (tokenizer, vocabulary, context and pool
         sizes), so the service calls it on its event loop and gets the error before anything
-        is queued. Raises InvalidRequestError: an empty prompt or token ids outside the
-        vocabulary (param `prompt_param`), or prompt + max_tokens past the context or the
-        page pool (code "context_length_exceeded", param `prompt_param`).
-
-        `cache_salt` separates prefix-cache chains (a tenant's). The first
-        `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
-        are cached without the salt (whole blocks only).
+        is queued.
         """
-        params = params or SamplingParams()
-        if params.n > self.settings.max_num_seqs:
-            raise InvalidRequestError(f"n is {params.n}, but this server runs at most {self.settings.max_num_seqs} "
-                                      "sequences at once (engine.max_num_seqs)", param="n")
-        token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", param=prompt_param)
-        vocab_size = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param=prompt_param)
-        self.check_fits(len(token_ids), params, prompt_param)
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
-        return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
-                       num_shared_blocks=min(shared_prefix_len, len(token_ids)) // self.block_size, pin_id=pin_id)
+        return self.builder.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, pin_id,
+                                            prompt_param)
 
     def add(self, request: Request) -> None:
         """Queue a request made by `prepare_request`; it joins the batch at the next step with room.
@@ -177,25 +164,6 @@ class Engine:
     ) -> None:
         """`add(prepare_request(...))`: validate and queue, for callers that drive the engine directly."""
         self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len))
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
-        """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request needs {total} "
-                f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        pages = -(-total // self.block_size)
-        if pages > self.num_schedulable_blocks:
-            raise InvalidRequestError(
-                f"the request needs {pages} KV pages ({total} tokens) but at most {self.num_schedulable_blocks} "
-                "are free for one request",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
@@ -254,17 +222,13 @@ class Engine:
         if self.kv.pool.kv_events is None:
             self.kv.pool.kv_events = []
 
-    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(hashes cached, hashes evicted) since the last call, in order, each list deduplicated."""
-        events = self.kv.pool.kv_events or []
-        if self.kv.pool.kv_events is not None:
-            self.kv.pool.kv_events = []
-        stored: dict[bytes, None] = {}
-        removed: dict[bytes, None] = {}
-        for kind, block_hash in events:
-            (stored if kind == "stored" else removed)[block_hash] = None
-            (removed if kind == "stored" else stored).pop(block_hash, None)
-        return list(stored), list(removed)
+    def take_kv_events(self) -> list[KVEvent]:
+        """Blocks stored in and removed from the prefix cache since the last call, in order."""
+        events = self.kv.pool.kv_events
+        if not events:
+            return []
+        self.kv.pool.kv_events = []
+        return events
 
     # --- the step -----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from runtime.block_hash import extend_block_hashes
 from runtime.block_pool import Block, BlockPool, BlockPoolError
+from runtime.kv_events import BlockStored
 from runtime.request import Sequence
 
 
@@ -76,9 +77,17 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_block_hashes(seq)
+        hashes, events = seq.block_hashes, self.pool.kv_events
         for i in range(start, num_full):
-            self.pool.cache_full_block(table[i], seq.block_hashes[i])
+            if self.pool.cache_full_block(table[i], hashes[i]) and events is not None:
+                events.append(self._stored_event(seq, i))
         self.num_hashed_blocks[seq.seq_id] = num_full
+
+    def _stored_event(self, seq: Sequence, i: int) -> BlockStored:
+        request = seq.request
+        salt = request.cache_salt if i >= request.num_shared_blocks else None
+        tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return BlockStored(seq.block_hashes[i], seq.block_hashes[i - 1] if i else None, tokens, salt)
 
     # --- allocation ---------------------------------------------------------------------
 

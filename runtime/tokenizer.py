@@ -103,3 +103,8 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=True)
+
+
+def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:
+    """The tokenizer of a checkpoint folder, or the byte tokenizer for "demo" (what Engine.from_pretrained uses)."""
+    return ByteTokenizer() if str(model) == "demo" else HFTokenizer(model)

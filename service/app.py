@@ -13,6 +13,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from config import Settings
+from runtime.kv_events import KVEvent, net_hashes
 from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
 from service.bridge import EngineBridge, EngineLike, EngineThread
 from service.api import dashboard
@@ -144,7 +145,8 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         app[STATE] = state
         pending_events: dict[bytes, bool] = {}
 
-        def on_kv_events(stored: list[bytes], removed: list[bytes]) -> None:
+        def on_kv_events(events: list[KVEvent]) -> None:
+            stored, removed = net_hashes(events)
             pending_events.update(dict.fromkeys(stored, True))
             pending_events.update(dict.fromkeys(removed, False))
 

@@ -33,6 +33,7 @@ from typing import Protocol
 import structlog
 
 from runtime.chat_template import ChatTemplate
+from runtime.kv_events import KVEvent
 from runtime.outputs import RequestOutput
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ class EngineLike(Protocol):
     def unfinished_request_ids(self) -> list[str]: ...
     def stats(self) -> dict: ...
     def record_kv_events(self) -> None: ...
-    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]: ...
+    def take_kv_events(self) -> list[KVEvent]: ...
     def pin_prefix(self, pin_id: str, prompt: str | list[int], cache_salt: str | bytes | None = None,
                    shared_prefix_len: int = 0) -> str: ...
     def unpin_prefix(self, pin_id: str) -> bool: ...
@@ -172,7 +173,7 @@ class EngineBridge:
         self._running: concurrent.futures.Future | None = None
         self._stop_event = threading.Event()
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)  # backpressure from the loop
-        self.on_kv_events = None  # loop-side callback(stored, removed) when kv_events is on
+        self.on_kv_events: Callable[[list[KVEvent]], None] | None = None  # loop side, each step's events
         self.kv_events = kv_events
         if kv_events:
             engine.record_kv_events()
@@ -234,12 +235,12 @@ class EngineBridge:
         self._thread.close()
 
     def _deliver(self, outputs: list[RequestOutput], stats: dict | None, failed: dict[str, Exception],
-                 events: tuple[list[bytes], list[bytes]] | None = None) -> None:
+                 events: list[KVEvent] | None = None) -> None:
         self._undelivered.release()
         if stats is not None:
             self.stats = stats
-        if events and (events[0] or events[1]) and self.on_kv_events is not None:
-            self.on_kv_events(*events)
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
         now = time.monotonic()
         for output in outputs:
             stream = self.streams.get(output.request_id)

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from runtime import Engine, InvalidRequestError, SamplingParams
+from runtime.kv_events import BlockStored, net_hashes
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
@@ -58,13 +59,31 @@ def test_kv_events_report_stored_and_removed_hashes(stories_dir):
     engine.record_kv_events()
     first = _tokens(40, seed=11)
     engine.generate([first], ONE)
-    stored, removed = engine.take_kv_events()
+    stored, removed = net_hashes(engine.take_kv_events())
     assert len(stored) == 2 and removed == []
     assert set(stored) == set(engine.kv.pool.hash_to_block)
     engine.generate([_tokens(90, seed=12)], ONE)  # needs every page: evicts the first prompt's
-    stored_2, removed_2 = engine.take_kv_events()
+    stored_2, removed_2 = net_hashes(engine.take_kv_events())
     assert set(removed_2) == set(stored) and len(stored_2) == 5
-    assert engine.take_kv_events() == ([], [])
+    assert engine.take_kv_events() == []
+
+
+def test_stored_events_carry_tokens_parent_and_the_chain_salt(stories_dir):
+    engine = Engine.from_pretrained(stories_dir, num_blocks=32)
+    engine.record_kv_events()
+    shared = _tokens(32, seed=5)  # two pages marked shared
+    prompt = shared + _tokens(40, seed=6)[1:]  # 71 tokens: four full pages
+    engine.add_request("r", prompt, ONE, cache_salt="tenant-a", shared_prefix_len=32)
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = engine.take_kv_events()
+    assert [type(e) for e in events] == [BlockStored] * 4
+    assert [e.token_ids for e in events] == [tuple(prompt[i * 16 : (i + 1) * 16]) for i in range(4)]
+    assert [e.salt for e in events] == [None, None, b"tenant-a", b"tenant-a"]
+    assert events[0].parent_hash is None
+    assert [e.parent_hash for e in events[1:]] == [e.block_hash for e in events[:-1]]
+    block_hashes = engine.kv.pool.hash_to_block
+    assert all(e.block_hash in block_hashes for e in events)
 
 
 def test_unpin_before_the_prefill_ends_leaves_nothing_pinned(stories_dir):

@@ -1,0 +1,46 @@
+"""Prefix-cache events: which full blocks a worker's cache gained and lost, in order.
+
+Routers that score workers by cached prefix (the service's prefix index, Dynamo's KV router,
+vLLM-format event consumers) rebuild each worker's cache from these. A stored block carries
+what a router needs to place it without asking the worker: its tokens, its parent's hash
+and the salt its chain is under (None for a block of an operator-shared prefix, which every
+tenant reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block entered the prefix cache."""
+
+    block_hash: bytes  # chained and salted (runtime.block_hash)
+    parent_hash: bytes | None  # the previous block's hash; None for a prompt's first block
+    token_ids: tuple[int, ...]  # the block's block_size tokens
+    salt: bytes | None  # the tenant salt of its chain; None for a shared-prefix block (no salt)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A block left the prefix cache (evicted); its page is being reused."""
+
+    block_hash: bytes
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+def net_hashes(events: list[KVEvent]) -> tuple[list[bytes], list[bytes]]:
+    """(hashes cached, hashes evicted) after applying `events` in order; each list deduplicated.
+
+    A hash stored then removed counts as removed, and removed then stored as stored.
+    """
+    stored: dict[bytes, None] = {}
+    removed: dict[bytes, None] = {}
+    for event in events:
+        cached = isinstance(event, BlockStored)
+        (stored if cached else removed)[event.block_hash] = None
+        (removed if cached else stored).pop(event.block_hash, None)
+    return list(stored), list(removed)

@@ -1,0 +1,92 @@
+"""The one validation of a caller's request, from what never changes after start.
+
+An engine holds one (`Engine.prepare_request`); a front door that routes to remote workers
+builds one from a worker's limits, so a bad request gets the same error before it crosses
+the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.request import Request
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The sizes a request is checked against: the model's and the page pool's."""
+
+    vocab_size: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_schedulable_blocks: int  # pages one request may use: the pool less the pin budget
+
+
+class RequestBuilder:
+    """Tokenize, check, and build `Request`s (see `prepare_request`)."""
+
+    def __init__(self, tokenizer, limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | bytes | None = None,
+        shared_prefix_len: int = 0,
+        pin_id: str | None = None,
+        prompt_param: str = "prompt",
+    ) -> Request:
+        """Validate a request once and build it.
+
+        Raises InvalidRequestError: `n` past max_num_seqs (param "n"), an empty prompt or token
+        ids outside the vocabulary (param `prompt_param`), or prompt + max_tokens past the
+        context or the page pool (code "context_length_exceeded", param `prompt_param`).
+
+        `cache_salt` separates prefix-cache chains (a tenant's). The first
+        `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
+        are cached without the salt (whole blocks only).
+        """
+        limits = self.limits
+        params = params or SamplingParams()
+        if params.n > limits.max_num_seqs:
+            raise InvalidRequestError(f"n is {params.n}, but this server runs at most {limits.max_num_seqs} "
+                                      "sequences at once (engine.max_num_seqs)", param="n")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        vocab_size = limits.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param=prompt_param)
+        self.check_fits(len(token_ids), params, prompt_param)
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
+                       num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""
+        limits = self.limits
+        total = num_prompt_tokens + params.max_tokens
+        if total > limits.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limits.max_model_len} tokens; the request needs {total} "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        pages = -(-total // limits.block_size)
+        if pages > limits.num_schedulable_blocks:
+            raise InvalidRequestError(
+                f"the request needs {pages} KV pages ({total} tokens) but at most {limits.num_schedulable_blocks} "
+                "are free for one request",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )

@@ -2,6 +2,7 @@
 
 from config.settings import (
     ConfigError,
+    DistributedSettings,
     EngineSettings,
     ServerSettings,
     Settings,
@@ -9,4 +10,4 @@ from config.settings import (
     load_settings,
 )
 
-__all__ = ["ConfigError", "EngineSettings", "ServerSettings", "Settings", "load_engine_settings", "load_settings"]
+__all__ = ["ConfigError", "DistributedSettings", "EngineSettings", "ServerSettings", "Settings", "load_engine_settings", "load_settings"]

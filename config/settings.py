@@ -81,12 +81,38 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.usage_write_timeout_s must be > 0")
 
 
+ROUTERS = ("embedded", "dynamo")
+ROUTING_MODES = ("kv", "round_robin", "random")
+
+
+class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Past one machine: workers behind NVIDIA Dynamo's router (service/distributed/)."""
+
+    router: str = "embedded"  # serve: "embedded" (the engine in this process) or "dynamo" (remote workers)
+    discovery_dir: str = "data/dynamo"  # Dynamo's file discovery: one folder every process of the cluster sees
+    namespace: str = "pagedserve"  # Dynamo namespace; workers serve {namespace}.worker.generate
+    routing: str = "kv"  # front door: "kv" (Dynamo's KV-aware router), "round_robin", "random"
+    kv_events_endpoint: str | None = None  # also publish vLLM-format KV events on this ZMQ PUB address
+    kv_events_replay_endpoint: str | None = None  # ... and answer replay requests (ROUTER socket) here
+    kv_events_topic: str = "kv-events"
+    worker_timeout_s: float = 60.0  # front door: how long start-up waits for the first worker
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ConfigError(f"distributed.router must be one of {ROUTERS}, got {self.router!r}")
+        if self.routing not in ROUTING_MODES:
+            raise ConfigError(f"distributed.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
+        if "." in self.namespace or not self.namespace:
+            raise ConfigError(f"distributed.namespace must be a non-empty name without dots, got {self.namespace!r}")
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+    distributed: DistributedSettings = msgspec.field(default_factory=DistributedSettings)
 
 
-SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
+SECTIONS = {"engine": EngineSettings, "server": ServerSettings, "distributed": DistributedSettings}
 
 
 def _env_table(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:

@@ -87,7 +87,8 @@ class KVCacheManager:
         request = seq.request
         salt = request.cache_salt if i >= request.num_shared_blocks else None
         tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return BlockStored(seq.block_hashes[i], seq.block_hashes[i - 1] if i else None, tokens, salt)
+        return BlockStored(seq.block_hashes[i], seq.block_hashes[i - 1] if i else None, tokens, salt,
+                           salt_enters=salt is not None and i == request.num_shared_blocks)
 
     # --- allocation ---------------------------------------------------------------------
 

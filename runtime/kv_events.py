@@ -20,6 +20,7 @@ class BlockStored:
     parent_hash: bytes | None  # the previous block's hash; None for a prompt's first block
     token_ids: tuple[int, ...]  # the block's block_size tokens
     salt: bytes | None  # the tenant salt of its chain; None for a shared-prefix block (no salt)
+    salt_enters: bool = False  # the salt enters the chain's hash at this block (the chain's first salted block)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app.get(STATE)
     if state is None or not state.ready:
         return web.json_response({"status": "not ready"}, status=503)
-    return web.json_response({"status": "ready", "model": state.model_name})
+    return web.json_response({"status": "ready", "model": state.model_name, "workers": state.bridge.num_workers})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -68,7 +68,6 @@ def build_stores(settings: Settings):
         client = create_redis(redis_url)
         return RedisLedger(client), RedisPinRegistry(client), RedisRateLimiter(client), RedisPrefixIndex(client), client
     data_dir = Path(server.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     return (SQLiteLedger(data_dir / "ledger.sqlite3"), SQLitePinRegistry(data_dir / "pins.sqlite3"), LocalRateLimiter(),
             MemoryPrefixIndex(), None)
 
@@ -122,49 +121,69 @@ async def _restore_pins(state: ServiceState) -> None:
             log.warning("pinned prefix not restored", tenant=pin.tenant, pin_id=pin.pin_id, error=str(exc))
 
 
+async def _start_engine(settings: Settings, engine_factory: Callable[[Settings], EngineLike]):
+    """(engine, its bridge): the engine built on the thread that will step it."""
+    thread = EngineThread()
+    try:
+        engine = await thread.call(engine_factory, settings)
+    except BaseException:
+        thread.close()
+        raise
+    return engine, EngineBridge(engine, asyncio.get_running_loop(), kv_events=True, thread=thread)
+
+
 def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLike] = load_engine) -> web.Application:
-    """The service app. The engine is built at start-up (in a thread) and stopped at cleanup."""
+    """The service app. The engine is built at start-up (on its thread) and stopped at cleanup; with
+    distributed.router = "dynamo" the app joins the workers' cluster instead."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
 
     async def lifetime(app: web.Application):
         tenants = build_tenants(settings)
+        Path(settings.server.data_dir).mkdir(parents=True, exist_ok=True)  # the journal lives here, with Redis too
         ledger, pins, limiter, prefix_index, redis_client = build_stores(settings)
         journal = UsageJournal(Path(settings.server.data_dir) / "usage.journal", ledger)
         await journal.start()
-        thread = EngineThread()
-        try:
-            engine = await thread.call(engine_factory, settings)
-        except BaseException:
-            thread.close()
-            raise
-        bridge = EngineBridge(engine, asyncio.get_running_loop(), kv_events=True, thread=thread)
+        embedded = settings.distributed.router == "embedded"
+        if embedded:
+            engine, bridge = await _start_engine(settings, engine_factory)
+        else:  # workers behind Dynamo: their KV events go to Dynamo's indexer, not to our prefix index
+            from service.distributed.front_door import DynamoBridge
+
+            bridge, engine = await DynamoBridge.connect(settings)
+            await prefix_index.close()
+            prefix_index = None
         model_name = settings.server.served_model_name or engine.model_name
         replica_id = settings.server.replica_id or f"{socket.gethostname()}:{settings.server.port}"
-        state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats), model_name, tenants,
+        state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats, model_name), model_name, tenants,
                              ledger, journal, pins, limiter, prefix_index, replica_id)
         app[STATE] = state
-        pending_events: dict[bytes, bool] = {}
+        publisher = None
+        if embedded:
+            pending_events: dict[bytes, bool] = {}
 
-        def on_kv_events(events: list[KVEvent]) -> None:
-            stored, removed = net_hashes(events)
-            pending_events.update(dict.fromkeys(stored, True))
-            pending_events.update(dict.fromkeys(removed, False))
+            def on_kv_events(events: list[KVEvent]) -> None:
+                stored, removed = net_hashes(events)
+                pending_events.update(dict.fromkeys(stored, True))
+                pending_events.update(dict.fromkeys(removed, False))
 
-        bridge.on_kv_events = on_kv_events
+            bridge.on_kv_events = on_kv_events
+            publisher = asyncio.create_task(_publish_kv_events(state, pending_events))
         bridge.start()
-        publisher = asyncio.create_task(_publish_kv_events(state, pending_events))
         await _restore_pins(state)
         if engine.tokenizer.chat_template.is_fallback:
             log.warning("the model has no chat template: chat uses 'role: content' lines, then 'assistant:'")
-        log.info("serving", model=model_name, replica=replica_id, redis=redis_client is not None)
+        log.info("serving", model=model_name, replica=replica_id, redis=redis_client is not None,
+                 router=settings.distributed.router)
         yield
         await bridge.stop()
-        publisher.cancel()
-        await asyncio.gather(publisher, *state.background, return_exceptions=True)
+        if publisher is not None:
+            publisher.cancel()
+        await asyncio.gather(*(t for t in [publisher] if t), *state.background, return_exceptions=True)
         await journal.stop()
         await ledger.close()
         await pins.close()
-        await prefix_index.close()
+        if prefix_index is not None:
+            await prefix_index.close()
         if redis_client is not None:
             await redis_client.aclose()
 

@@ -57,11 +57,10 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
 
-class EngineLike(Protocol):
-    """What the service needs from an engine: runtime.Engine, or bench/stub_engine.py's StubEngine.
+class ModelLike(Protocol):
+    """What the event loop may ask of a model: facts fixed at start, and request validation.
 
-    The loop may call only the read-only part (model_name, tokenizer, max_model_len,
-    block_size, tokenize, prepare_request); everything else runs on the engine thread.
+    The embedded engine (runtime.Engine) or, behind Dynamo, service.distributed.front_door.RemoteModel.
     """
 
     model_name: str
@@ -73,6 +72,14 @@ class EngineLike(Protocol):
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
                         prompt_param: str = "prompt") -> Request: ...
+
+
+class EngineLike(ModelLike, Protocol):
+    """What the service needs from an engine: runtime.Engine, or bench/stub_engine.py's StubEngine.
+
+    The loop may call only the ModelLike part; everything else runs on the engine thread.
+    """
+
     def add(self, request: Request) -> None: ...
     def abort_request(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
@@ -85,6 +92,30 @@ class EngineLike(Protocol):
                    shared_prefix_len: int = 0) -> str: ...
     def unpin_prefix(self, pin_id: str) -> bool: ...
     def page_map(self) -> dict: ...
+
+
+class Bridge(Protocol):
+    """What handlers ask of the engine side: EngineBridge (embedded) or, behind Dynamo, DynamoBridge."""
+
+    streams: dict[str, RequestStream]
+    stats: dict  # the latest engine stats snapshot (summed over workers behind Dynamo)
+
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def num_inflight(self) -> int: ...
+    @property
+    def num_inflight_sequences(self) -> int: ...
+    def start(self) -> None: ...
+    def submit(self, stream: RequestStream, request: Request) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
+                  shared_prefix_len: int = 0) -> None: ...
+    async def unpin(self, pin_id: str) -> bool: ...
+    async def page_map(self) -> dict: ...
+    async def stop(self) -> None: ...
 
 
 @dataclass
@@ -215,6 +246,10 @@ class EngineBridge:
         if stream is not None and not stream.finished:
             self.inbox.put(_Abort(request_id))
             stream.close("abort")
+
+    @property
+    def num_workers(self) -> int:
+        return 1
 
     @property
     def num_inflight(self) -> int:

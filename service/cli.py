@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `pagedserve generate --model DIR|demo "prompt"`."""
+"""The `pagedserve` command: `generate` (one prompt), `serve` (the API), `worker` (a Dynamo worker)."""
 
 from __future__ import annotations
 
@@ -39,24 +39,65 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _settings(args: argparse.Namespace):
+    """Settings from --config, the environment and the flags; None (after one line on stderr) if invalid."""
     from config import ConfigError, load_settings
-    from service.server import run
 
+    server = {"model": args.model, "host": args.host, "port": args.port, "served_model_name": args.served_model_name}
+    distributed = {"discovery_dir": args.discovery_dir, "namespace": args.namespace}
+    if args.command == "serve":
+        server.update(tenants_file=args.tenants, redis_url=args.redis_url, data_dir=args.data_dir)
+        distributed.update(router=args.router, routing=args.routing)
+    else:
+        distributed.update(kv_events_endpoint=args.kv_events_endpoint,
+                           kv_events_replay_endpoint=args.kv_events_replay_endpoint)
     try:
-        settings = load_settings(args.config, overrides={
-            "server": {"model": args.model, "host": args.host, "port": args.port,
-                       "served_model_name": args.served_model_name, "tenants_file": args.tenants,
-                       "redis_url": args.redis_url, "data_dir": args.data_dir},
+        return load_settings(args.config, overrides={
+            "server": server,
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
                        "max_num_seqs": args.max_num_seqs},
+            "distributed": distributed,
         })
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from service.server import run
+
+    settings = _settings(args)
+    if settings is None:
         return 2
     configure_logging(args.log_level or settings.server.log_level, settings.server.log_json)
     run(settings)
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from service.distributed.worker import run_worker
+
+    settings = _settings(args)
+    if settings is None:
+        return 2
+    configure_logging(args.log_level or settings.server.log_level, settings.server.log_json)
+    run_worker(settings)
+    return 0
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder, or 'demo' (random weights)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--config", help="TOML settings file (see config/default.toml)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--discovery-dir", default=None,
+                        help="Dynamo file discovery folder, shared by the front doors and workers of one cluster")
+    parser.add_argument("--namespace", default=None, help="Dynamo namespace (default: pagedserve)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,19 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible API (SSE and WebSockets)")
-    srv.add_argument("--model", default=None, help="Hugging Face checkpoint folder, or 'demo' (random weights)")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--host", default=None)
-    srv.add_argument("--port", type=int, default=None)
-    srv.add_argument("--config", help="TOML settings file (see config/default.toml)")
+    _add_model_flags(srv)
     srv.add_argument("--tenants", default=None, help="tenants TOML (keys, plans, limits); unset: open")
     srv.add_argument("--redis-url", default=None, help="shared Redis for ledger, limits, prefix index")
     srv.add_argument("--data-dir", default=None, help="SQLite ledger and usage journal folder")
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--dtype", default=None)
-    srv.add_argument("--num-blocks", type=int, default=None)
-    srv.add_argument("--max-num-seqs", type=int, default=None)
+    srv.add_argument("--router", choices=["embedded", "dynamo"], default=None,
+                     help="embedded: run the engine here (default); dynamo: send requests to workers")
+    srv.add_argument("--routing", choices=["kv", "round_robin", "random"], default=None,
+                     help="with --router dynamo: Dynamo's KV-aware router (default), or round robin, or random")
     srv.set_defaults(func=_serve)
+
+    wrk = commands.add_parser("worker", help="run the engine as a Dynamo worker (behind `serve --router dynamo`)")
+    _add_model_flags(wrk)
+    wrk.add_argument("--kv-events-endpoint", default=None,
+                     help="also publish vLLM-format KV events on this ZMQ PUB address (e.g. tcp://*:5557)")
+    wrk.add_argument("--kv-events-replay-endpoint", default=None,
+                     help="answer replay requests for recent KV event batches here (ZMQ ROUTER)")
+    wrk.set_defaults(func=_worker)
     return parser
 
 

@@ -17,10 +17,17 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0
 
 
 class EngineStatsCollector:
-    """Reads the bridge's latest engine stats snapshot at scrape time."""
+    """Reads the bridge's latest engine stats snapshot at scrape time.
 
-    def __init__(self, get_stats: Callable[[], dict]) -> None:
+    Beside ours, the gauges that Kubernetes routers read from vLLM servers (the Gateway API
+    Inference Extension's endpoint picker, llm-d): `vllm:num_requests_running`,
+    `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 1 = full) and
+    `vllm:cache_config_info`, labelled by `model_name` as vLLM labels them.
+    """
+
+    def __init__(self, get_stats: Callable[[], dict], model_name: str = "") -> None:
         self.get_stats = get_stats
+        self.model_name = model_name
 
     def collect(self):
         stats = self.get_stats()
@@ -42,14 +49,41 @@ class EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._vllm_metrics(stats)
+
+    def _vllm_metrics(self, stats: dict):
+        labels = {"model_name": self.model_name, "engine": "0"}
+        total = stats["num_blocks"]
+        usage = (total - stats["num_free_blocks"]) / total if total else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch (sequences).", stats["num_running"]),
+            ("vllm:num_requests_waiting", "Requests waiting for a place in the batch (sequences).", stats["num_waiting"]),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).", usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=list(labels))
+            gauge.add_metric(list(labels.values()), value)
+            yield gauge
+        config = {"block_size": str(stats["block_size"]), "num_gpu_blocks": str(total),
+                  "enable_prefix_caching": "True", "cache_dtype": "auto"}
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache layout, as labels (value 1).", labels=list(config))
+        info.add_metric(list(config.values()), 1.0)
+        yield info
+        for name, doc, key in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=list(labels))
+            counter.add_metric(list(labels.values()), stats[key])
+            yield counter
 
 
 class ServiceMetrics:
     """Request-level counters and latency histograms, plus the engine collector."""
 
-    def __init__(self, get_stats: Callable[[], dict]) -> None:
+    def __init__(self, get_stats: Callable[[], dict], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(get_stats))
+        self.registry.register(EngineStatsCollector(get_stats, model_name))
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
         self.cached_tokens = Counter("pagedserve_cached_prompt_tokens", "Prompt tokens served from cached pages", registry=self.registry)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated and sent", registry=self.registry)

@@ -11,7 +11,7 @@ from aiohttp import web
 from config import Settings
 from service.billing.journal import UsageJournal
 from service.billing.ledger import Ledger
-from service.bridge import EngineBridge, EngineLike, Tokenizer
+from service.bridge import Bridge, ModelLike, Tokenizer
 from service.errors import APIError
 from service.metrics import ServiceMetrics
 from service.pins import PinRegistry
@@ -23,8 +23,8 @@ from service.tenants import Tenant, TenantDirectory
 @dataclass
 class ServiceState:
     settings: Settings
-    engine: EngineLike  # the loop calls only its read-only part (see EngineLike)
-    bridge: EngineBridge
+    engine: ModelLike  # the engine (its read-only part) or, behind Dynamo, a RemoteModel
+    bridge: Bridge
     metrics: ServiceMetrics
     model_name: str
     tenants: TenantDirectory
@@ -32,7 +32,7 @@ class ServiceState:
     journal: UsageJournal
     pins: PinRegistry
     limiter: RateLimiter
-    prefix_index: PrefixIndex
+    prefix_index: PrefixIndex | None  # None behind Dynamo: its indexer is the one source of truth
     replica_id: str
     draining: bool = False
     num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
@@ -71,7 +71,7 @@ class ServiceState:
         if not self.ready:
             raise APIError(503, "the server is shutting down or unhealthy; retry on another replica", None,
                            "service_unavailable", {"Retry-After": "5"})
-        limit = self.settings.engine.max_num_seqs + self.settings.server.max_queued_requests
+        limit = (self.settings.engine.max_num_seqs + self.settings.server.max_queued_requests) * max(1, self.bridge.num_workers)
         if self.bridge.num_inflight_sequences + self.num_reserved + num_sequences > limit:
             raise APIError(429, f"the server is at capacity ({limit} sequences in flight); retry shortly", None,
                            "too_many_requests", {"Retry-After": "1"})

@@ -136,6 +136,9 @@ async def prefix_index_lookup(request: web.Request) -> web.Response:
     probe = state.engine.prepare_request("prefix-lookup", token_ids, SamplingParams(max_tokens=0), salt, shared)
     hashes: list[bytes] = []  # as the engine hashes this prompt's full blocks
     extend_block_hashes(hashes, token_ids, state.engine.block_size, probe.cache_salt, probe.num_shared_blocks)
-    replicas = await _from_store(state.prefix_index.lookup(hashes))
+    if state.prefix_index is None:  # behind Dynamo (DynamoBridge): its indexer, per worker id
+        replicas = await state.bridge.overlap_blocks(token_ids, probe.cache_salt, probe.num_shared_blocks)
+    else:
+        replicas = await _from_store(state.prefix_index.lookup(hashes))
     return web.json_response({"tenant": tenant_id, "num_prompt_tokens": len(token_ids), "num_full_blocks": len(hashes),
                               "replicas": replicas})

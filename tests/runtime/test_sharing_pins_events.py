@@ -80,6 +80,7 @@ def test_stored_events_carry_tokens_parent_and_the_chain_salt(stories_dir):
     assert [type(e) for e in events] == [BlockStored] * 4
     assert [e.token_ids for e in events] == [tuple(prompt[i * 16 : (i + 1) * 16]) for i in range(4)]
     assert [e.salt for e in events] == [None, None, b"tenant-a", b"tenant-a"]
+    assert [e.salt_enters for e in events] == [False, False, True, False]
     assert events[0].parent_hash is None
     assert [e.parent_hash for e in events[1:]] == [e.block_hash for e in events[:-1]]
     block_hashes = engine.kv.pool.hash_to_block

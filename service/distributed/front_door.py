@@ -1,0 +1,388 @@
+"""`pagedserve serve --router dynamo`: the front door's bridge to workers behind Dynamo.
+
+`DynamoBridge` has EngineBridge's interface (submit, abort, pin, unpin, page_map, stats), so
+the service around it (auth, tenants, limits, templates, SSE, the WebSocket, billing) is the
+same as in the embedded server. Each request goes to one worker:
+
+    kv           Dynamo's KvRouter.best_worker: the worker whose cache holds the longest prefix
+                 of the request's blocks under its tenant's salt, weighed against each
+                 worker's load (Dynamo's cost function); the router tracks the request until
+                 it ends (mark_prefill_complete, free)
+    round_robin  Dynamo's client, next instance in turn
+    random       Dynamo's client, a random instance
+
+then streams from it directly (Client.direct). A worker that cannot be reached before its
+first frame is skipped and the request is routed again; a worker lost mid-stream fails its
+streams (an error event and [DONE]), and is left out until discovery drops it.
+
+`RemoteModel` is the loop-side part of an engine: the checkpoint's tokenizer and the workers'
+limits (asked of a worker at start-up), so requests are validated before they leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import structlog
+
+from config import Settings
+from runtime.request import Request
+from runtime.request_builder import RequestBuilder, RequestLimits
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.tokenizer import load_tokenizer
+from service.distributed import wire
+from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo, routing_namespace
+from service.streams import RequestStream
+
+log = structlog.get_logger(__name__)
+
+POLL_PERIOD_S = 0.5  # how often worker stats are gathered (and new workers get the pins)
+CALL_TIMEOUT_S = 10.0  # a one-shot call (stats, pin, describe) to one worker
+MAX_ROUTE_ATTEMPTS = 3  # workers tried for one request before its first frame
+LOST_WORKER_TTL_S = 60.0  # a worker that failed is skipped this long, or until discovery drops it
+STAT_SUMS = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_kv_tokens", "num_running",
+             "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_pinned_blocks")
+
+
+class WorkerLost(RuntimeError):
+    """A worker's stream broke or ended before its request did."""
+
+
+class RemoteModel:
+    """What the loop asks of an engine (service.bridge.ModelLike), for a model served by workers."""
+
+    def __init__(self, model_name: str, tokenizer, limits: RequestLimits) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.block_size = limits.block_size
+        self._builder = RequestBuilder(tokenizer, limits)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._builder.tokenize(prompt)
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
+                        prompt_param: str = "prompt") -> Request:
+        """RequestBuilder.prepare_request against the workers' limits (they check again)."""
+        return self._builder.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, pin_id,
+                                             prompt_param)
+
+
+def sum_stats(per_worker: list[dict]) -> dict:
+    """The cluster's engine stats: counters and page counts summed over workers."""
+    total = {key: sum(stats.get(key, 0) for stats in per_worker) for key in STAT_SUMS}
+    total["block_size"] = per_worker[0]["block_size"] if per_worker else 0
+    return total
+
+
+class DynamoBridge:
+    """EngineBridge's interface, each request sent to the worker Dynamo picks (see the module docstring)."""
+
+    def __init__(self, runtime, endpoint, client, router, routing: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._runtime = runtime
+        self._endpoint = endpoint
+        self._client = client
+        self._router = router  # KvRouter when routing == "kv", else None
+        self.routing = routing
+        self.loop = loop
+        self.streams: dict[str, RequestStream] = {}
+        self.stats: dict = sum_stats([])
+        self.worker_stats: dict[int, dict] = {}  # worker id -> its latest stats
+        self.on_kv_events = None  # the workers publish their own KV events (to Dynamo)
+        self._contexts: dict[str, object] = {}  # request id -> Dynamo Context (stop_generating cancels)
+        self._tasks: set[asyncio.Task] = set()
+        self._pins: dict[str, wire.Pin] = {}  # every pin, replayed on workers that join
+        self._pinned_on: dict[int, set[str]] = {}
+        self._lost: dict[int, float] = {}  # worker id -> when it failed
+        self._poller: asyncio.Task | None = None
+
+    # --- start-up -----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, settings: Settings) -> tuple[DynamoBridge, RemoteModel]:
+        """Join the cluster in settings.distributed, wait for a worker, ask it for the model's limits."""
+        core = import_dynamo()
+        dist = settings.distributed
+        loop = asyncio.get_running_loop()
+        runtime = create_runtime(loop, dist.discovery_dir)
+        endpoint = runtime.endpoint(endpoint_path(dist.namespace))
+        client = await endpoint.client()
+        log.info("waiting for workers", endpoint=endpoint_path(dist.namespace), discovery_dir=dist.discovery_dir,
+                 timeout_s=dist.worker_timeout_s)
+        try:
+            async with asyncio.timeout(dist.worker_timeout_s):
+                worker_ids = await client.wait_for_instances()
+                reply = await _call(client, wire.Describe(), worker_ids[0])
+        except TimeoutError:
+            runtime.shutdown()
+            raise RuntimeError(f"no pagedserve worker answered within {dist.worker_timeout_s} s at "
+                               f"{endpoint_path(dist.namespace)} (discovery: {dist.discovery_dir})") from None
+        limits = RequestLimits(**reply["limits"])
+        model = RemoteModel(reply["model_name"], load_tokenizer(settings.server.model), limits)
+        router = None
+        if dist.routing == "kv":
+            router = core.KvRouter(endpoint, limits.block_size, core.KvRouterConfig())
+        log.info("front door connected", workers=len(worker_ids), routing=dist.routing, model=model.model_name)
+        return cls(runtime, endpoint, client, router, dist.routing, loop), model
+
+    def start(self) -> None:
+        self._poller = self.loop.create_task(self._poll())
+
+    # --- the bridge interface -----------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.live_workers())
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.live_workers())
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.streams)
+
+    @property
+    def num_inflight_sequences(self) -> int:
+        return sum(stream.n for stream in self.streams.values())
+
+    def live_workers(self) -> list[int]:
+        """Workers in discovery that have not failed lately, in id order."""
+        now = time.monotonic()
+        return sorted(w for w in self._client.instance_ids() if now - self._lost.get(w, -LOST_WORKER_TTL_S)
+                      >= LOST_WORKER_TTL_S)
+
+    def submit(self, stream: RequestStream, request: Request) -> None:
+        """Register the stream and route its request; returns at once."""
+        self.streams[stream.request_id] = stream
+        task = self.loop.create_task(self._run(stream, request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its worker aborts it (pages free by the end of its next step)."""
+        stream = self.streams.pop(request_id, None)
+        context = self._contexts.pop(request_id, None)
+        if context is not None:
+            context.stop_generating()
+        if stream is not None and not stream.finished:
+            stream.close("abort")
+
+    async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
+                  shared_prefix_len: int = 0) -> None:
+        """Pin the prefix on every worker (and on workers that join later).
+
+        Every worker, not only the one the router prefers: a pinned prefix is a tenant's hot
+        system prompt, and with it resident everywhere the router can place that tenant's
+        requests by load alone without losing the hit. It costs the pin's pages once per worker.
+        Raises the first worker's InvalidRequestError (e.g. the pin budget).
+        """
+        call = wire.Pin(pin_id, prompt_token_ids, wire.salt_hex(cache_salt), shared_prefix_len)
+        self._pins[pin_id] = call
+        workers = self.live_workers()
+        results = await asyncio.gather(*(self._pin_on(w, call) for w in workers), return_exceptions=True)
+        for result in results:
+            if isinstance(result, InvalidRequestError):
+                self._pins.pop(pin_id, None)
+                await self.unpin(pin_id)
+                raise result
+        for worker_id, result in zip(workers, results):
+            if isinstance(result, Exception):
+                log.warning("pin not placed on a worker", worker_id=worker_id, pin_id=pin_id, error=repr(result))
+        if not any(result is None for result in results):
+            raise RuntimeError(f"the pin {pin_id!r} was placed on no worker")
+
+    async def _pin_on(self, worker_id: int, call: wire.Pin) -> None:
+        await _call(self._client, call, worker_id)
+        self._pinned_on.setdefault(worker_id, set()).add(call.pin_id)
+
+    async def unpin(self, pin_id: str) -> bool:
+        """Unpin on every worker; True if any held it."""
+        self._pins.pop(pin_id, None)
+        workers = self.live_workers()
+        results = await asyncio.gather(*(_call(self._client, wire.Unpin(pin_id), w) for w in workers),
+                                       return_exceptions=True)
+        for worker_id in workers:
+            self._pinned_on.get(worker_id, set()).discard(pin_id)
+        return any(result is True for result in results)
+
+    async def page_map(self) -> dict:
+        """The page map of the first live worker (the dashboard shows one engine's pages)."""
+        workers = self.live_workers()
+        if not workers:
+            raise RuntimeError("no live worker")
+        snapshot = await _call(self._client, wire.PageMap(), workers[0])
+        snapshot["worker_id"] = workers[0]
+        return snapshot
+
+    async def overlap_blocks(self, token_ids: list[int], cache_salt: bytes | None, num_shared_blocks: int) -> dict:
+        """Per worker, how many leading blocks of the prompt Dynamo's indexer says it holds."""
+        if self._router is None:
+            return {}
+        scores = await self._router.get_overlap_scores(
+            token_ids, cache_namespace=routing_namespace(cache_salt, num_shared_blocks))
+        return {str(w["worker_id"]): w["device_blocks"] for w in scores["workers"]}
+
+    async def stop(self) -> None:
+        """Abort everything in flight and leave the cluster."""
+        for request_id in list(self.streams):
+            self.abort(request_id)
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*self._tasks, *(t for t in [self._poller] if t), return_exceptions=True)
+        self._runtime.shutdown()
+
+    # --- one request ----------------------------------------------------------------------
+
+    async def _run(self, stream: RequestStream, request: Request) -> None:
+        request_id = request.request_id
+        call = wire.encode(wire.generate_call(request))
+        context = import_dynamo().Context(request_id)
+        self._contexts[request_id] = context
+        try:
+            for attempt in range(MAX_ROUTE_ATTEMPTS):
+                if request_id not in self.streams:
+                    return  # aborted while routing
+                try:
+                    if await self._stream_once(stream, request, call, context):
+                        return
+                except WorkerLost as exc:
+                    if request_id not in self.streams:
+                        return
+                    stream.fail(exc)
+                    return
+            stream.fail(WorkerLost(f"no worker could be reached in {MAX_ROUTE_ATTEMPTS} attempts"))
+        except Exception as exc:  # routing failed (no workers), or a bug: the stream must end
+            log.warning("request failed in the front door", request_id=request_id, error=repr(exc))
+            if request_id in self.streams:
+                stream.fail(RuntimeError(f"routing failed: {exc}"))
+        finally:
+            self.streams.pop(request_id, None)
+            self._contexts.pop(request_id, None)
+
+    async def _stream_once(self, stream: RequestStream, request: Request, call: dict, context) -> bool:
+        """Send the request to one worker and relay its frames. False: unreachable, route again.
+
+        Raises WorkerLost when the worker broke after its first frame.
+        """
+        request_id = request.request_id
+        worker_id, tracked = await self._pick(request)
+        got_frame = False
+        try:
+            frames = await self._open(call, worker_id, context)
+            async for item in frames:
+                data = item.data()
+                if data is None:
+                    continue
+                frame = wire.decode_frame(data)
+                if not got_frame and tracked:
+                    await self._router.mark_prefill_complete(request_id)
+                got_frame = True
+                if isinstance(frame, wire.Failure):
+                    error = InvalidRequestError(frame.message, frame.param, frame.code) if frame.invalid \
+                        else RuntimeError(frame.message)
+                    stream.fail(error)
+                    return True
+                if request_id not in self.streams:
+                    return True  # aborted: the stop signal is on its way to the worker
+                stream.push(wire.request_output(request_id, request.prompt_token_ids, frame,
+                                                isinstance(frame, wire.Done)), time.monotonic())
+                if isinstance(frame, wire.Done):
+                    return True
+            if request_id not in self.streams or context.is_stopped():
+                return True
+            error: Exception = WorkerLost(f"worker {worker_id}'s stream ended before the request did")
+        except Exception as exc:  # Dynamo raises plain Exceptions for a worker it cannot reach or lost
+            if request_id not in self.streams:
+                return True
+            error = exc
+        finally:
+            if tracked:
+                await self._router.free(request_id)
+        if worker_id is not None:
+            self._lost[worker_id] = time.monotonic()
+        log.warning("worker lost", worker_id=worker_id, request_id=request_id, after_first_frame=got_frame,
+                    error=str(error))
+        if got_frame:
+            raise WorkerLost(f"the worker serving this request was lost: {error}") from error
+        return False
+
+    async def _pick(self, request: Request) -> tuple[int | None, bool]:
+        """(worker id or None for Dynamo's client to pick, whether the KV router tracks the request)."""
+        if self._router is None:
+            return None, False
+        namespace = routing_namespace(request.cache_salt, request.num_shared_blocks)
+        worker_id, _, _ = await self._router.best_worker(request.prompt_token_ids, request_id=request.request_id,
+                                                          cache_namespace=namespace)
+        live = self.live_workers()
+        if worker_id in live or not live:
+            return worker_id, True
+        await self._router.free(request.request_id)  # the router still lists a lost worker: least loaded instead
+        loads = await self._router.get_potential_loads(request.prompt_token_ids, cache_namespace=namespace)
+        alive = [load for load in loads if load["worker_id"] in live]
+        best = min(alive, key=lambda load: (load["potential_prefill_tokens"], load["potential_decode_blocks"]),
+                   default=None)
+        return (best["worker_id"] if best else live[0]), False
+
+    async def _open(self, call: dict, worker_id: int | None, context):
+        if worker_id is not None:
+            return await self._client.direct(call, worker_id, context=context)
+        if self.routing == "random":
+            return await self._client.random(call, context=context)
+        return await self._client.round_robin(call, context=context)
+
+    # --- background: stats and pins -------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                await self._poll_once()
+            except Exception as exc:
+                log.warning("worker poll failed", error=repr(exc))
+            await asyncio.sleep(POLL_PERIOD_S)
+
+    async def _poll_once(self) -> None:
+        workers = self.live_workers()
+        listed = set(self._client.instance_ids())
+        for worker_id in [w for w in self._lost if w not in listed]:
+            del self._lost[worker_id]  # discovery dropped it
+        for worker_id in [w for w in self._pinned_on if w not in listed]:
+            del self._pinned_on[worker_id]
+        results = await asyncio.gather(*(_call(self._client, wire.Stats(), w) for w in workers),
+                                       return_exceptions=True)
+        self.worker_stats = {w: r for w, r in zip(workers, results) if isinstance(r, dict)}
+        self.stats = sum_stats(list(self.worker_stats.values()))
+        for worker_id in workers:
+            missing = [call for pin_id, call in self._pins.items() if pin_id not in self._pinned_on.get(worker_id, ())]
+            for call in missing:  # a worker that joined (or restarted) gets every pin
+                try:
+                    await self._pin_on(worker_id, call)
+                    log.info("pin placed on a new worker", worker_id=worker_id, pin_id=call.pin_id)
+                except Exception as exc:
+                    log.warning("pin not placed on a new worker", worker_id=worker_id, pin_id=call.pin_id,
+                                error=repr(exc))
+
+
+async def _call(client, message: msgspec.Struct, worker_id: int):
+    """One-shot call to one worker: its Reply's value; raises InvalidRequestError or RuntimeError on Failure."""
+    async with asyncio.timeout(CALL_TIMEOUT_S):
+        frames = await client.direct(wire.encode(message), worker_id)
+        async for item in frames:
+            data = item.data()
+            if data is None:
+                continue
+            frame = wire.decode_frame(data)
+            if isinstance(frame, wire.Reply):
+                return frame.value
+            if isinstance(frame, wire.Failure):
+                if frame.invalid:
+                    raise InvalidRequestError(frame.message, frame.param, frame.code)
+                raise RuntimeError(frame.message)
+    raise RuntimeError(f"worker {worker_id} sent no reply to {type(message).__name__}")
+
+
+

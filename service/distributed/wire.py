@@ -1,0 +1,144 @@
+"""What crosses Dynamo's request plane between a front door and a worker.
+
+Dynamo carries JSON-like Python objects, so each message is a msgspec Struct turned into
+builtins (`encode`) and back (`decode_call`, `decode_frame`), tagged by its `type` field.
+
+    front door -> worker      Generate | Pin | Unpin | Describe | Stats | PageMap
+    worker -> front door      Output* (one per engine step with news), then Done; or Failure;
+                              Reply for the one-shot calls
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
+from service.streams import ChoiceDelta
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    """Run one request; the worker streams its Output frames."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams' fields
+    cache_salt: str | None  # hex of the tenant salt
+    num_shared_blocks: int  # leading blocks hashed without the salt (an operator-shared prefix)
+
+
+class Pin(msgspec.Struct, tag="pin"):
+    pin_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    shared_prefix_len: int
+
+
+class Unpin(msgspec.Struct, tag="unpin"):
+    pin_id: str
+
+
+class Describe(msgspec.Struct, tag="describe"):
+    """The worker's model name and request limits (RequestLimits' fields)."""
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    """The worker's latest engine stats snapshot."""
+
+
+class PageMap(msgspec.Struct, tag="page_map"):
+    """engine.page_map(), for the dashboard."""
+
+
+Call = Generate | Pin | Unpin | Describe | Stats | PageMap
+
+
+class Choice(msgspec.Struct, array_like=True):
+    """One sample's news since the last frame (a ChoiceDelta)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, str, list[tuple[int, float]]]]  # (token id, its text, [(id, logprob), ...])
+    finish_reason: str | None
+
+
+class Output(msgspec.Struct, tag="output"):
+    choices: list[Choice]
+    num_cached_tokens: int
+
+
+class Done(msgspec.Struct, tag="done"):
+    """The request ended on the worker (every choice has its finish reason)."""
+
+    num_cached_tokens: int
+
+
+class Failure(msgspec.Struct, tag="failure"):
+    """The call failed: `invalid` for a caller's error (InvalidRequestError), else the worker's."""
+
+    message: str
+    invalid: bool = False
+    param: str | None = None
+    code: str | None = None
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    value: Any
+
+
+Frame = Output | Done | Failure | Reply
+
+
+def encode(message: msgspec.Struct) -> dict:
+    """A message as the builtins Dynamo's request plane carries."""
+    return msgspec.to_builtins(message)
+
+
+def decode_call(obj: Any) -> Call:
+    """A call from the request plane; raises msgspec.ValidationError on a malformed one."""
+    return msgspec.convert(obj, Call)
+
+
+def decode_frame(obj: Any) -> Frame:
+    """A frame from the request plane; raises msgspec.ValidationError on a malformed one."""
+    return msgspec.convert(obj, Frame)
+
+
+def generate_call(request: Request) -> Generate:
+    """The wire form of a request built by RequestBuilder.prepare_request."""
+    return Generate(request.request_id, request.prompt_token_ids, msgspec.to_builtins(request.params),
+                    salt_hex(request.cache_salt), request.num_shared_blocks)
+
+
+def salt_hex(salt: bytes | None) -> str | None:
+    return salt.hex() if salt is not None else None
+
+
+def salt_bytes(salt: str | None) -> bytes | None:
+    return bytes.fromhex(salt) if salt is not None else None
+
+
+def params_of(call: Generate) -> SamplingParams:
+    """The call's SamplingParams (checked again as they are built)."""
+    return msgspec.convert(call.params, SamplingParams)
+
+
+def choice_of(delta: ChoiceDelta) -> Choice:
+    logprobs = [(lp.token_id, lp.text, list(lp.logprobs.items())) for lp in delta.logprobs]
+    return Choice(delta.index, delta.text, delta.token_ids, logprobs, delta.finish_reason)
+
+
+def request_output(request_id: str, prompt_token_ids: list[int], frame: Output | Done, finished: bool) -> RequestOutput:
+    """A frame as the RequestOutput a RequestStream merges (deltas only: new_text, new_token_ids)."""
+    outputs = []
+    if isinstance(frame, Output):
+        for choice in frame.choices:
+            logprobs = [TokenLogprob(token_id, text, dict(top)) for token_id, text, top in choice.logprobs] or None
+            outputs.append(CompletionOutput(index=choice.index, text="", token_ids=[], new_text=choice.text,
+                                            new_token_ids=choice.token_ids, finish_reason=choice.finish_reason,
+                                            new_logprobs=logprobs))
+    return RequestOutput(request_id, None, prompt_token_ids, outputs, frame.num_cached_tokens, finished)

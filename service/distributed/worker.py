@@ -1,0 +1,219 @@
+"""`pagedserve worker`: one engine served as a Dynamo endpoint, behind Dynamo's KV router.
+
+    front door --Generate--> handle() --> EngineBridge (the same engine thread as `serve`)
+               <--Output*, Done-- the request's RequestStream, one frame per step with news
+
+A request stopped by its caller (Dynamo's context: cancel, disconnect) is aborted at once, so
+its pages are free by the end of the next step. Every step's KV events go to Dynamo's
+router (and, with `kv_events_endpoint`, out as vLLM-format ZMQ events); the worker's load
+(KV pages in use, running and waiting requests) goes to the router and to `/metrics` on the
+worker's small HTTP port (with `/health` and `/ready`, for probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from config import Settings
+from runtime.sampling_params import InvalidRequestError
+from service.bridge import EngineBridge, EngineLike, EngineThread
+from service.distributed import wire
+from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
+from service.distributed.kv_publisher import DynamoKvPublisher
+from service.metrics import ServiceMetrics
+from service.streams import RequestStream
+
+log = structlog.get_logger(__name__)
+
+LOAD_PERIOD_S = 0.1  # how often the worker's load goes to the router
+
+
+class Worker:
+    """Answers the front doors' calls (service.distributed.wire) with one engine."""
+
+    def __init__(self, engine: EngineLike, bridge: EngineBridge, model_name: str) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.model_name = model_name
+
+    async def handle(self, request, context):
+        """Dynamo's handler: one call in, its frames out (builtins)."""
+        try:
+            call = wire.decode_call(request)
+        except msgspec.ValidationError as exc:
+            yield wire.encode(wire.Failure(f"malformed call: {exc}", invalid=True))
+            return
+        if isinstance(call, wire.Generate):
+            async for frame in self._generate(call, context):
+                yield wire.encode(frame)
+        else:
+            yield wire.encode(await self._query(call))
+
+    async def _generate(self, call: wire.Generate, context):
+        try:
+            request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, wire.params_of(call),
+                                                  wire.salt_bytes(call.cache_salt),
+                                                  call.num_shared_blocks * self.engine.block_size)
+        except InvalidRequestError as exc:
+            yield wire.Failure(exc.message, invalid=True, param=exc.param, code=exc.code)
+            return
+        except msgspec.ValidationError as exc:
+            yield wire.Failure(str(exc), invalid=True)
+            return
+        stream = RequestStream(request.request_id, len(request.prompt_token_ids), request.params.n)
+        self.bridge.submit(stream, request)
+        watcher = asyncio.ensure_future(self._abort_when_stopped(context, request.request_id))
+        try:
+            async for deltas in stream.deltas():
+                yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens)
+            yield wire.Done(stream.num_cached_tokens)
+        except Exception as exc:  # the engine failed the request (stream.fail)
+            log.warning("request failed on the worker", request_id=request.request_id, error=repr(exc))
+            yield wire.Failure(f"the worker's engine failed the request: {exc}")
+        finally:
+            watcher.cancel()
+            self.bridge.abort(request.request_id)  # no-op once finished; frees the pages if the caller left
+
+    async def _abort_when_stopped(self, context, request_id: str) -> None:
+        await context.async_killed_or_stopped()
+        log.info("request stopped by its caller", request_id=request_id)
+        self.bridge.abort(request_id)
+
+    async def _query(self, call: wire.Call) -> wire.Frame:
+        try:
+            if isinstance(call, wire.Describe):
+                limits = dataclasses.asdict(self.engine.limits)
+                return wire.Reply({"model_name": self.model_name, "limits": limits})
+            if isinstance(call, wire.Stats):
+                return wire.Reply(self.bridge.stats)
+            if isinstance(call, wire.PageMap):
+                return wire.Reply(await self.bridge.page_map())
+            if isinstance(call, wire.Pin):
+                await self.bridge.pin(call.pin_id, call.prompt_token_ids, wire.salt_bytes(call.cache_salt),
+                                      call.shared_prefix_len)
+                return wire.Reply(True)
+            if isinstance(call, wire.Unpin):
+                return wire.Reply(await self.bridge.unpin(call.pin_id))
+        except InvalidRequestError as exc:
+            return wire.Failure(exc.message, invalid=True, param=exc.param, code=exc.code)
+        except Exception as exc:
+            log.exception("worker call failed", call=type(call).__name__)
+            return wire.Failure(f"{type(call).__name__} failed on the worker: {exc}")
+        raise TypeError(f"unhandled call {call!r}")  # every Call type is handled above
+
+
+def _probe_app(bridge: EngineBridge, metrics: ServiceMetrics) -> web.Application:
+    """/health, /ready, /metrics and /stats (the engine's JSON stats) on the worker's probe port."""
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        if not bridge.healthy:
+            return web.json_response({"status": "not ready"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(bridge.stats)
+
+    async def render(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", render)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+async def _publish_load(bridge: EngineBridge, publisher) -> None:
+    while True:
+        stats = bridge.stats
+        try:
+            publisher.publish(0, stats["num_used_blocks"], stats["num_used_blocks"])
+        except Exception as exc:  # the router's view goes stale; serving goes on
+            log.warning("worker load not published", error=repr(exc))
+        await asyncio.sleep(LOAD_PERIOD_S)
+
+
+async def serve_worker(settings: Settings, engine_factory=None) -> None:
+    """Run a worker until SIGTERM or SIGINT: build the engine, serve the endpoint, register the model."""
+    from service.app import load_engine
+
+    core = import_dynamo()
+    loop = asyncio.get_running_loop()
+    dist = settings.distributed
+    runtime = create_runtime(loop, dist.discovery_dir)
+    endpoint = runtime.endpoint(endpoint_path(dist.namespace))
+    thread = EngineThread()
+    try:
+        engine = await thread.call(engine_factory or load_engine, settings)
+    except BaseException:
+        thread.close()
+        raise
+    model_name = settings.server.served_model_name or engine.model_name
+    bridge = EngineBridge(engine, loop, kv_events=True, thread=thread)
+    publishers = [DynamoKvPublisher(endpoint, engine.block_size)]
+    if dist.kv_events_endpoint:
+        from service.distributed.vllm_events import VllmEventPublisher
+
+        publishers.append(VllmEventPublisher(dist.kv_events_endpoint, dist.kv_events_replay_endpoint,
+                                             dist.kv_events_topic, engine.block_size))
+
+    def on_kv_events(events) -> None:
+        for publisher in publishers:
+            publisher.publish(events)
+
+    bridge.on_kv_events = on_kv_events
+    bridge.start()
+    load_publisher = core.WorkerMetricsPublisher()
+    await load_publisher.create_endpoint(endpoint)
+    load_task = asyncio.create_task(_publish_load(bridge, load_publisher))
+    worker = Worker(engine, bridge, model_name)
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.handle, graceful_shutdown=False))
+    config = core.ModelRuntimeConfig()
+    config.total_kv_blocks = engine.limits.num_schedulable_blocks
+    config.max_num_seqs = settings.engine.max_num_seqs
+    config.max_num_batched_tokens = settings.engine.max_num_batched_tokens
+    config.context_length = engine.max_model_len
+    await core.register_model(core.ModelInput.Tokens, core.ModelType.Chat | core.ModelType.Completions, endpoint,
+                              settings.server.model, model_name, worker_type=core.WorkerType.Aggregated,
+                              kv_cache_block_size=engine.block_size, runtime_config=config, skip_model_assets=True)
+    metrics = ServiceMetrics(lambda: bridge.stats, model_name)
+    runner = web.AppRunner(_probe_app(bridge, metrics), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    await site.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("worker serving", model=model_name, worker_id=endpoint.connection_id(), endpoint=endpoint_path(dist.namespace),
+             probes=f"http://{settings.server.host}:{settings.server.port}", discovery_dir=dist.discovery_dir)
+    done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), serving], return_when=asyncio.FIRST_COMPLETED)
+    if serving in done and serving.exception() is not None:
+        log.error("the endpoint stopped", error=repr(serving.exception()))
+    log.info("worker stopping")
+    try:
+        await core.unregister_model(endpoint)
+        await endpoint.unregister_endpoint_instance()
+    except Exception as exc:
+        log.warning("could not unregister from discovery", error=repr(exc))
+    load_task.cancel()
+    await bridge.stop()
+    for publisher in publishers:
+        publisher.close()
+    await runner.cleanup()
+    runtime.shutdown()
+    log.info("worker stopped")
+
+
+def run_worker(settings: Settings) -> None:
+    import uvloop
+
+    uvloop.run(serve_worker(settings))

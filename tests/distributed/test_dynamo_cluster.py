@@ -1,0 +1,242 @@
+"""pagedserve workers behind NVIDIA Dynamo's KV-aware router: real processes on 127.0.0.1.
+
+redis-server + three `pagedserve worker`s (stories260K, 64 pages each) + one front door
+(`pagedserve serve --router dynamo`, tenants, Redis ledger). The tests run in file order on
+one cluster; the last one kills a worker and starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.distributed.cluster import start_front_door, start_worker, wait_until, worker_stats
+from tests.service.conftest import write_tenants_file
+from tests.service.redis_fixture import start_server
+
+pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
+
+ACME, GLOBEX, ADMIN = "sk-acme-test", "sk-globex-test", "sk-admin-test"
+NUM_BLOCKS = 64
+SYSTEM = ("You are the storyteller of a small town. Every story has a dog named Max, a cat named Lily, "
+          "a red ball and a big tree by the river. The stories are short, kind and happy, and they always end "
+          "with the friends going home for dinner when the sun goes down behind the hills.")
+
+
+def _headers(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, stories_dir):
+    root = tmp_path_factory.mktemp("dynamo-cluster")
+    redis_server = start_server(root / "redis")
+    tenants = write_tenants_file(root / "tenants.toml", {"acme": {"keys": [ACME], "plan": "standard"},
+                                                         "globex": {"keys": [GLOBEX], "plan": "standard"}},
+                                 admin_keys=[ADMIN])
+    env = {"PAGEDSERVE_SERVER_CACHE_SALT_SECRET": "cluster-test-secret"}
+    discovery = root / "discovery"
+    flags = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "8")
+    workers = [start_worker(f"worker-{i}", stories_dir, discovery, root, *flags, env=env) for i in range(3)]
+    front = None
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        front = start_front_door(stories_dir, discovery, root / "data", root, "--tenants", str(tenants),
+                                 "--redis-url", redis_server.url, env=env)
+        front.wait_ready(check=lambda body: body["workers"] == 3)
+        yield {"front": front, "workers": workers, "redis": redis_server, "root": root, "discovery": discovery,
+               "flags": flags, "env": env, "model": stories_dir}
+    finally:
+        for process in ([front] if front else []) + workers:
+            process.stop()
+        redis_server.stop()
+
+
+def _chat(front, key: str, user: str, max_tokens: int = 4, system: str = SYSTEM, **extra) -> dict:
+    body = {"model": "stories260K", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
+    response = requests.post(front.url + "/v1/chat/completions", json=body, headers=_headers(key), timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _complete(front, key: str, prompt: str, max_tokens: int = 4) -> dict:
+    body = {"model": "stories260K", "max_tokens": max_tokens, "temperature": 0, "prompt": prompt}
+    response = requests.post(front.url + "/v1/completions", json=body, headers=_headers(key), timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _all_stats(cluster) -> list[dict]:
+    return [worker_stats(w) for w in cluster["workers"] if w.process.poll() is None]
+
+
+def _idle(cluster) -> list[dict] | None:
+    stats = _all_stats(cluster)
+    ok = all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == s["num_pinned_blocks"]
+             for s in stats)
+    return stats if ok else None
+
+
+def _lookup(front, tenant: str, text: str) -> dict[str, int]:
+    response = requests.get(front.url + "/v1/prefix-index/lookup", params={"tenant": tenant, "prompt": text},
+                            headers=_headers(ADMIN), timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["replicas"]
+
+
+def _usage(front, key: str) -> dict:
+    deadline = time.monotonic() + 20
+    while True:
+        totals = requests.get(front.url + "/v1/usage", headers=_headers(key), timeout=10).json()
+        if totals["pending_records"] == 0 or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.05)
+
+
+def _stream_lines(front, key: str, body: dict):
+    """(response, iterator over SSE data payloads) of a streamed completion."""
+    response = requests.post(front.url + "/v1/completions", json={**body, "stream": True}, headers=_headers(key),
+                             stream=True, timeout=60)
+    assert response.status_code == 200, response.text
+    lines = (line[len(b"data: "):] for line in response.iter_lines() if line.startswith(b"data: "))
+    return response, lines
+
+
+def test_a_tenants_turns_go_to_the_worker_that_holds_its_system_prompt(cluster):
+    front = cluster["front"]
+    hits_before = [s["prefix_cache_hits"] for s in _all_stats(cluster)]
+    first = _chat(front, ACME, "Tell me about the ball.")
+    assert _cached(first) == 0
+    turns = [_chat(front, ACME, f"Turn {i}: what did Max do next?") for i in range(5)]
+    assert all(_cached(turn) >= 64 for turn in turns), [_cached(t) for t in turns]
+    gained = [s["prefix_cache_hits"] - before for s, before in zip(_all_stats(cluster), hits_before)]
+    assert sorted(g > 0 for g in gained) == [False, False, True], gained  # one worker served every hit
+
+
+def test_distinct_prompts_spread_over_every_worker(cluster):
+    front = cluster["front"]
+    queries_before = [s["prefix_cache_queries"] for s in _all_stats(cluster)]
+    answers: list[dict] = []
+
+    def one(i: int) -> None:
+        answers.append(_chat(front, ACME, f"Story number {i}", max_tokens=24,
+                             system=f"Story {i} of the day: a tale of a brave little fox number {i} and a bird."))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(answers) == 12
+    gained = [s["prefix_cache_queries"] - before for s, before in zip(_all_stats(cluster), queries_before)]
+    assert all(g > 0 for g in gained), gained
+
+
+def test_another_tenant_never_reads_the_first_tenants_pages(cluster):
+    front = cluster["front"]
+    prompt = SYSTEM + " Today:"
+    _complete(front, ACME, prompt)
+    assert _cached(_complete(front, ACME, prompt)) > 0
+    acme_view = _lookup(front, "acme", SYSTEM)
+    assert sorted(acme_view.values())[-1] > 0 and sorted(acme_view.values())[:2] == [0, 0], acme_view
+    assert all(blocks == 0 for blocks in _lookup(front, "globex", SYSTEM).values())  # the router keeps salts apart
+    assert _cached(_complete(front, GLOBEX, prompt)) == 0
+    assert _cached(_complete(front, GLOBEX, prompt)) > 0  # globex now has its own copy, under its own salt
+
+
+def test_a_pin_is_placed_on_every_worker(cluster):
+    front = cluster["front"]
+    text = "system: The pinned preamble of acme. " * 6
+    response = requests.post(front.url + "/v1/pinned-prefixes", json={"id": "preamble", "text": text},
+                             headers=_headers(ACME), timeout=30)
+    assert response.status_code in (200, 201), response.text
+    assert all(s["num_pinned_blocks"] > 0 for s in _all_stats(cluster))
+    assert all(blocks > 0 for blocks in _lookup(front, "acme", text).values())
+
+
+def test_a_client_that_disconnects_frees_the_workers_pages(cluster):
+    front = cluster["front"]
+    response, lines = _stream_lines(front, ACME, {"model": "stories260K", "prompt": "Once upon a time",
+                                                  "max_tokens": 480, "ignore_eos": True})
+    first = json.loads(next(lines))
+    next(lines)
+    assert any(s["num_running"] > 0 for s in _all_stats(cluster))
+    response.close()  # the client goes away mid-stream
+    stats = wait_until(lambda: _idle(cluster), what="every worker idle with its pages free")
+    assert sum(s["num_free_blocks"] for s in stats) == sum(s["num_blocks"] - s["num_pinned_blocks"] for s in stats)
+    stopped = wait_until(lambda: [w for w in cluster["workers"] if first["id"] in w.tail(200_000)
+                                  and "request stopped by its caller" in w.tail(200_000)],
+                         what="the worker's log of the stop")
+    assert len(stopped) == 1
+
+
+def test_eviction_reaches_the_router(cluster):
+    front = cluster["front"]
+    system = "Evict me: the old miller and his three sons went to the market on a rainy day. " * 3
+    _complete(front, ACME, system)
+    assert max(_lookup(front, "acme", system).values()) > 0
+    for round_ in range(20):  # distinct long prompts until every worker's pool has turned over
+        threads = [threading.Thread(target=_complete, args=(front, ACME, f"Filler {round_}.{i}: " + "a fox jumps. " * 30))
+                   for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        if max(_lookup(front, "acme", system).values()) == 0:
+            break
+    assert max(_lookup(front, "acme", system).values()) == 0  # BlockRemoved reached Dynamo's indexer
+    assert _cached(_complete(front, ACME, system)) == 0  # and the worker agrees: the pages are gone
+
+
+def test_redis_kill_9_serving_goes_on_and_the_ledger_is_exact(cluster):
+    front, redis_server = cluster["front"], cluster["redis"]
+    before = _usage(front, GLOBEX)
+    redis_server.kill()
+    answers = [_chat(front, GLOBEX, f"While Redis is down {i}") for i in range(4)]
+    redis_server.start()  # its AOF is replayed; the front door's journal then replays what Redis missed
+    after = wait_until(lambda: (u := _usage(front, GLOBEX))["requests"] == before["requests"] + 4 and u,
+                       timeout=30, what="the journal's replay into Redis")
+    assert after["pending_records"] == 0
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert after["completion_tokens"] - before["completion_tokens"] == sum(
+        a["usage"]["completion_tokens"] for a in answers)
+    assert after["cached_tokens"] - before["cached_tokens"] == sum(_cached(a) for a in answers)
+
+
+def test_a_worker_killed_mid_stream_ends_its_streams_and_traffic_moves_on(cluster):
+    front, workers = cluster["front"], cluster["workers"]
+    before = _usage(front, GLOBEX)
+    response, lines = _stream_lines(front, GLOBEX, {"model": "stories260K", "prompt": "Once upon a time",
+                                                    "max_tokens": 480, "ignore_eos": True})
+    received = [json.loads(next(lines)) for _ in range(2)]
+    serving = [w for w, s in zip(workers, _all_stats(cluster)) if s["num_running"] > 0]
+    assert len(serving) == 1
+    serving[0].kill()
+    rest = list(lines)  # must end: an error event, then [DONE]
+    assert rest[-1] == b"[DONE]"
+    assert "error" in json.loads(rest[-2]), rest[-2:]
+    received += [json.loads(line) for line in rest[:-2]]
+    answers = [_chat(front, GLOBEX, f"After the crash {i}") for i in range(4)]  # served by the two left
+    assert _idle(cluster) is not None or wait_until(lambda: _idle(cluster), what="the survivors idle")
+    after = _usage(front, GLOBEX)
+    assert after["requests"] - before["requests"] == 5
+    delivered = sum(1 for chunk in received if chunk["choices"] and chunk["choices"][0]["text"])
+    billed_stream = (after["completion_tokens"] - before["completion_tokens"]
+                     - sum(a["usage"]["completion_tokens"] for a in answers))
+    assert delivered <= billed_stream < 480  # the killed request: the tokens that reached the front door
+    # a worker joining later gets the pins and takes traffic
+    cluster["workers"].append(start_worker("worker-3", cluster["model"], cluster["discovery"], cluster["root"],
+                                           *cluster["flags"], env=cluster["env"]))
+    cluster["workers"][-1].wait_ready()
+    wait_until(lambda: worker_stats(cluster["workers"][-1])["num_pinned_blocks"] > 0, timeout=30,
+               what="the pins on the new worker")

@@ -11,12 +11,13 @@ import json
 import threading
 import time
 
+import msgspec
 import pytest
 import requests
 
 from tests.distributed.cluster import start_front_door, start_worker, wait_until, worker_stats
 from tests.service.conftest import write_tenants_file
-from tests.service.redis_fixture import start_server
+from tests.service.redis_fixture import free_port, start_server
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
 
@@ -41,7 +42,10 @@ def cluster(tmp_path_factory, stories_dir):
     env = {"PAGEDSERVE_SERVER_CACHE_SALT_SECRET": "cluster-test-secret"}
     discovery = root / "discovery"
     flags = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "8")
-    workers = [start_worker(f"worker-{i}", stories_dir, discovery, root, *flags, env=env) for i in range(3)]
+    replay = f"tcp://127.0.0.1:{free_port()}"  # worker-0 also publishes vLLM-format events
+    events = ("--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", "--kv-events-replay-endpoint", replay)
+    workers = [start_worker(f"worker-{i}", stories_dir, discovery, root, *flags, *(events if i == 0 else ()), env=env)
+               for i in range(3)]
     front = None
     try:
         for worker in workers:
@@ -50,7 +54,7 @@ def cluster(tmp_path_factory, stories_dir):
                                  "--redis-url", redis_server.url, env=env)
         front.wait_ready(check=lambda body: body["workers"] == 3)
         yield {"front": front, "workers": workers, "redis": redis_server, "root": root, "discovery": discovery,
-               "flags": flags, "env": env, "model": stories_dir}
+               "flags": flags, "env": env, "model": stories_dir, "replay": replay}
     finally:
         for process in ([front] if front else []) + workers:
             process.stop()
@@ -170,7 +174,7 @@ def test_a_client_that_disconnects_frees_the_workers_pages(cluster):
                                                   "max_tokens": 480, "ignore_eos": True})
     first = json.loads(next(lines))
     next(lines)
-    assert any(s["num_running"] > 0 for s in _all_stats(cluster))
+    wait_until(lambda: any(s["num_running"] > 0 for s in _all_stats(cluster)), what="the request running")
     response.close()  # the client goes away mid-stream
     stats = wait_until(lambda: _idle(cluster), what="every worker idle with its pages free")
     assert sum(s["num_free_blocks"] for s in stats) == sum(s["num_blocks"] - s["num_pinned_blocks"] for s in stats)
@@ -198,6 +202,29 @@ def test_eviction_reaches_the_router(cluster):
     assert _cached(_complete(front, ACME, system)) == 0  # and the worker agrees: the pages are gone
 
 
+def test_a_worker_with_kv_events_endpoint_publishes_vllm_format_events(cluster):
+    zmq = pytest.importorskip("zmq")
+    before = worker_stats(cluster["workers"][0])["num_cached_blocks"]
+    wait_until(lambda: worker_stats(cluster["workers"][0])["num_cached_blocks"] or before, what="a cached block")
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        dealer.connect(cluster["replay"])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches = []
+        while dealer.poll(5000):
+            frames = dealer.recv_multipart()
+            if frames[1] == (-1).to_bytes(8, "big", signed=True):
+                break
+            batches.append(msgspec.msgpack.decode(frames[2]))
+    finally:
+        dealer.close(0)
+        context.term()
+    stored = [e for batch in batches for e in batch[1] if e["type"] == "BlockStored"]  # [ts, events, dp rank]
+    assert stored, "worker-0 served requests in the tests above, so it cached blocks"
+    assert all(len(e["token_ids"]) == 16 * len(e["block_hashes"]) and e["block_size"] == 16 for e in stored)
+
+
 def test_redis_kill_9_serving_goes_on_and_the_ledger_is_exact(cluster):
     front, redis_server = cluster["front"], cluster["redis"]
     before = _usage(front, GLOBEX)
@@ -219,7 +246,8 @@ def test_a_worker_killed_mid_stream_ends_its_streams_and_traffic_moves_on(cluste
     response, lines = _stream_lines(front, GLOBEX, {"model": "stories260K", "prompt": "Once upon a time",
                                                     "max_tokens": 480, "ignore_eos": True})
     received = [json.loads(next(lines)) for _ in range(2)]
-    serving = [w for w, s in zip(workers, _all_stats(cluster)) if s["num_running"] > 0]
+    serving = wait_until(lambda: [w for w, s in zip(workers, _all_stats(cluster)) if s["num_running"] > 0],
+                         what="the request running")
     assert len(serving) == 1
     serving[0].kill()
     rest = list(lines)  # must end: an error event, then [DONE]

@@ -30,6 +30,8 @@ SCRIPTS = {
     "profile_server": "profile_server.py",
     "vllm": "bench_vllm.py",
     "vllm_serving": "bench_vllm_serving.py",
+    "routing": "bench_routing.py",
+    "fleet": "bench_fleet.py",
 }
 
 

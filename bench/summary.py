@@ -137,6 +137,30 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
         out.append(("durable billing, stub engine (saturated loop): final message p50 (ms), vs reply first",
                     f"{stub['median']['durable']['sse_final_ms_p50']}", f"{stub['median']['reply_first']['sse_final_ms_p50']}",
                     f"+{stub['added_ms']['sse_final_ms_p50']} ms; requests/s x{stub['requests_per_s_ratio']}"))
+    routing = load("routing", quick) or {}
+    for rate, result in routing.get("by_rate", {}).items():
+        kv = result["summary"]["kv"]
+        for peer in ("round_robin", "random"):
+            other = result["summary"][peer]
+            ratio = result["kv_over"][peer]
+            out.append((f"3 workers behind Dynamo @ {float(rate):g} req/s, KV-aware vs {peer}: prefix hit; TTFT p50 / p99 "
+                        "(ms); output tok/s",
+                        f"{kv['hit_rate']:.0%}; {kv['ttft_p50_s'] * 1000:.0f} / {kv['ttft_p99_s'] * 1000:.0f}; "
+                        f"{kv['output_tok_s']:.0f}",
+                        f"{other['hit_rate']:.0%}; {other['ttft_p50_s'] * 1000:.0f} / {other['ttft_p99_s'] * 1000:.0f}; "
+                        f"{other['output_tok_s']:.0f}",
+                        f"x{ratio['ttft_p50']:.2f} / x{ratio['ttft_p99']:.2f}; x{ratio['output_tok_s']:.2f}"))
+    fleet = load("fleet", quick) or {}
+    for key, capacity in fleet.get("capacity_load_under_slo", {}).items():
+        workers, policy = key.split("/")
+        if policy != "kv":
+            continue
+        peers = {p: fleet["capacity_load_under_slo"][f"{workers}/{p}"] for p in ("round_robin", "random")}
+        out.append((f"fleet simulation, {workers} workers: highest load with TTFT p99 <= "
+                    f"{fleet['workload']['ttft_slo_s']:g} s, KV-aware vs round robin / random (sim.)",
+                    f"{capacity:g}", f"{peers['round_robin']:g} / {peers['random']:g}",
+                    f"x{capacity / peers['round_robin']:.2f} / x{capacity / peers['random']:.2f}"
+                    if peers["round_robin"] and peers["random"] else "peers under the SLO at no tested load"))
     return out
 
 

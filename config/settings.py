@@ -92,6 +92,7 @@ class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     discovery_dir: str = "data/dynamo"  # Dynamo's file discovery: one folder every process of the cluster sees
     namespace: str = "pagedserve"  # Dynamo namespace; workers serve {namespace}.worker.generate
     routing: str = "kv"  # front door: "kv" (Dynamo's KV-aware router), "round_robin", "random"
+    kv_prefill_load_scale: float = 1.0  # Dynamo's prefill_load_scale: > 1 weighs cache hits over balance
     kv_events_endpoint: str | None = None  # also publish vLLM-format KV events on this ZMQ PUB address
     kv_events_replay_endpoint: str | None = None  # ... and answer replay requests (ROUTER socket) here
     kv_events_topic: str = "kv-events"
@@ -102,6 +103,8 @@ class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
             raise ConfigError(f"distributed.router must be one of {ROUTERS}, got {self.router!r}")
         if self.routing not in ROUTING_MODES:
             raise ConfigError(f"distributed.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
+        if not self.kv_prefill_load_scale > 0:
+            raise ConfigError(f"distributed.kv_prefill_load_scale must be > 0, got {self.kv_prefill_load_scale}")
         if "." in self.namespace or not self.namespace:
             raise ConfigError(f"distributed.namespace must be a non-empty name without dots, got {self.namespace!r}")
 

@@ -45,3 +45,21 @@ def net_hashes(events: list[KVEvent]) -> tuple[list[bytes], list[bytes]]:
         (stored if cached else removed)[event.block_hash] = None
         (removed if cached else stored).pop(event.block_hash, None)
     return list(stored), list(removed)
+
+
+def event_runs(events: list[KVEvent]) -> list[list[KVEvent]]:
+    """`events` in order, cut into runs a router takes as one message each: consecutive
+    removals, or consecutive stored blocks of one chain under one salt (each block's parent
+    is the block before it). This is how vLLM reports a prefill: one event per run."""
+    runs: list[list[KVEvent]] = []
+    for event in events:
+        last = runs[-1][-1] if runs else None
+        if isinstance(event, BlockRemoved):
+            joins = isinstance(last, BlockRemoved)
+        else:
+            joins = isinstance(last, BlockStored) and event.parent_hash == last.block_hash and event.salt == last.salt
+        if joins:
+            runs[-1].append(event)
+        else:
+            runs.append([event])
+    return runs

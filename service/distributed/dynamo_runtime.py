@@ -38,12 +38,12 @@ def create_runtime(loop: asyncio.AbstractEventLoop, discovery_dir: str | Path, h
     """A DistributedRuntime on file discovery in `discovery_dir`, TCP requests, ZMQ events.
 
     `host` (default: $PAGEDSERVE_ADVERTISE_HOST, else 127.0.0.1) is the address this process
-    binds and advertises; variables already set in the environment win.
+    binds and advertises; Dynamo's own host variables, if already set, win.
     """
     core = import_dynamo()
     folder = Path(discovery_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("DYN_FILE_KV", str(folder))
+    os.environ["DYN_FILE_KV"] = str(folder)  # the setting decides, not an inherited variable
     os.environ.setdefault("DYN_LOG", "warn")  # Dynamo's Rust side logs every routed call at info
     address = host or os.environ.get("PAGEDSERVE_ADVERTISE_HOST", "127.0.0.1")
     for name in _HOST_VARIABLES:

@@ -125,7 +125,8 @@ class DynamoBridge:
         model = RemoteModel(reply["model_name"], load_tokenizer(settings.server.model), limits)
         router = None
         if dist.routing == "kv":
-            router = core.KvRouter(endpoint, limits.block_size, core.KvRouterConfig())
+            router = core.KvRouter(endpoint, limits.block_size,
+                                   core.KvRouterConfig(prefill_load_scale=dist.kv_prefill_load_scale))
         log.info("front door connected", workers=len(worker_ids), routing=dist.routing, model=model.model_name)
         return cls(runtime, endpoint, client, router, dist.routing, loop), model
 

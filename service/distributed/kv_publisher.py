@@ -9,37 +9,26 @@ one stored event, the way vLLM's engine reports a prefill.
 
 from __future__ import annotations
 
-from runtime.kv_events import BlockRemoved, KVEvent
+from runtime.kv_events import BlockRemoved, KVEvent, event_runs
 from service.distributed.dynamo_runtime import block_hash_i64, import_dynamo
 
 
 def dynamo_event_batch(events: list[KVEvent], block_size: int) -> list[dict]:
-    """The engine's events (in order) as KvEventPublisher.publish_batch inputs."""
-    batch: list[dict] = []
-    last: dict | None = None  # the stored input the next block may extend
-    last_hash: bytes | None = None
-    for event in events:
-        if isinstance(event, BlockRemoved):
-            if batch and batch[-1]["type"] == "removed":
-                batch[-1]["block_hashes"].append(block_hash_i64(event.block_hash))
-            else:
-                batch.append({"type": "removed", "block_hashes": [block_hash_i64(event.block_hash)]})
-            last = None
+    """The engine's events (in order) as KvEventPublisher.publish_batch inputs, one per run."""
+    batch = []
+    for run in event_runs(events):
+        hashes = [block_hash_i64(event.block_hash) for event in run]
+        if isinstance(run[0], BlockRemoved):
+            batch.append({"type": "removed", "block_hashes": hashes})
             continue
-        salt = event.salt.hex() if event.salt is not None else None
-        if last is not None and event.parent_hash == last_hash and last.get("cache_salt") == salt:
-            last["token_ids"] += event.token_ids
-            last["num_block_tokens"].append(block_size)
-            last["block_hashes"].append(block_hash_i64(event.block_hash))
-        else:
-            last = {"type": "stored", "token_ids": list(event.token_ids), "num_block_tokens": [block_size],
-                    "block_hashes": [block_hash_i64(event.block_hash)]}
-            if event.parent_hash is not None:
-                last["parent_hash"] = block_hash_i64(event.parent_hash)
-            if salt is not None:
-                last["cache_salt"] = salt
-            batch.append(last)
-        last_hash = event.block_hash
+        first = run[0]
+        stored = {"type": "stored", "token_ids": [t for event in run for t in event.token_ids],
+                  "num_block_tokens": [block_size] * len(run), "block_hashes": hashes}
+        if first.parent_hash is not None:
+            stored["parent_hash"] = block_hash_i64(first.parent_hash)
+        if first.salt is not None:
+            stored["cache_salt"] = first.salt.hex()
+        batch.append(stored)
     return batch
 
 

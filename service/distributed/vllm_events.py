@@ -30,7 +30,7 @@ from collections import deque
 import msgspec
 import structlog
 
-from runtime.kv_events import BlockRemoved, KVEvent
+from runtime.kv_events import BlockRemoved, KVEvent, event_runs
 
 log = structlog.get_logger(__name__)
 
@@ -71,28 +71,17 @@ def external_hash(block_hash: bytes) -> int:
 
 
 def vllm_events(events: list[KVEvent], block_size: int) -> list[StoredEvent | RemovedEvent]:
-    """The engine's events in order, consecutive blocks of one chain merged into one BlockStored."""
+    """The engine's events in order, one vLLM event per run (runtime.kv_events.event_runs)."""
     out: list[StoredEvent | RemovedEvent] = []
-    last_hash: bytes | None = None
-    for event in events:
-        if isinstance(event, BlockRemoved):
-            if out and isinstance(out[-1], RemovedEvent):
-                out[-1].block_hashes.append(external_hash(event.block_hash))
-            else:
-                out.append(RemovedEvent([external_hash(event.block_hash)], MEDIUM))
-            last_hash = None
+    for run in event_runs(events):
+        hashes = [external_hash(event.block_hash) for event in run]
+        if isinstance(run[0], BlockRemoved):
+            out.append(RemovedEvent(hashes, MEDIUM))
             continue
-        extra = (event.salt.hex(),) if event.salt_enters else None
-        previous = out[-1] if out else None
-        if isinstance(previous, StoredEvent) and event.parent_hash == last_hash and last_hash is not None:
-            previous.block_hashes.append(external_hash(event.block_hash))
-            previous.token_ids += event.token_ids
-            previous.extra_keys.append(extra)
-        else:
-            parent = external_hash(event.parent_hash) if event.parent_hash is not None else None
-            out.append(StoredEvent([external_hash(event.block_hash)], parent, list(event.token_ids), block_size,
-                                   None, MEDIUM, None, [extra]))
-        last_hash = event.block_hash
+        parent = external_hash(run[0].parent_hash) if run[0].parent_hash is not None else None
+        extra_keys = [(event.salt.hex(),) if event.salt_enters else None for event in run]
+        out.append(StoredEvent(hashes, parent, [t for event in run for t in event.token_ids], block_size, None,
+                               MEDIUM, None, extra_keys))
     return out
 
 

@@ -47,16 +47,22 @@ def cluster(tmp_path_factory, stories_dir):
     workers = [start_worker(f"worker-{i}", stories_dir, discovery, root, *flags, *(events if i == 0 else ()), env=env)
                for i in range(3)]
     front = None
+    extra = []
     try:
         for worker in workers:
             worker.wait_ready()
         front = start_front_door(stories_dir, discovery, root / "data", root, "--tenants", str(tenants),
                                  "--redis-url", redis_server.url, env=env)
         front.wait_ready(check=lambda body: body["workers"] == 3)
-        yield {"front": front, "workers": workers, "redis": redis_server, "root": root, "discovery": discovery,
+        second = start_front_door(stories_dir, discovery, root / "data-2", root, "--tenants", str(tenants),
+                                  "--redis-url", redis_server.url, env=env)
+        second.name = "front-door-2"
+        extra.append(second)
+        second.wait_ready(check=lambda body: body["workers"] == 3)
+        yield {"front": front, "second": second, "workers": workers, "redis": redis_server, "root": root, "discovery": discovery,
                "flags": flags, "env": env, "model": stories_dir, "replay": replay}
     finally:
-        for process in ([front] if front else []) + workers:
+        for process in ([front] if front else []) + extra + workers:
             process.stop()
         redis_server.stop()
 
@@ -156,6 +162,32 @@ def test_another_tenant_never_reads_the_first_tenants_pages(cluster):
     assert all(blocks == 0 for blocks in _lookup(front, "globex", SYSTEM).values())  # the router keeps salts apart
     assert _cached(_complete(front, GLOBEX, prompt)) == 0
     assert _cached(_complete(front, GLOBEX, prompt)) > 0  # globex now has its own copy, under its own salt
+
+
+def test_a_second_front_door_serves_the_websocket_and_shares_the_ledger(cluster):
+    websockets = pytest.importorskip("websockets")
+    front, second = cluster["front"], cluster["second"]
+    before = _usage(front, ACME)
+
+    async def one_request() -> dict:
+        url = second.url.replace("http://", "ws://") + "/v1/stream"
+        async with websockets.connect(url, additional_headers=_headers(ACME)) as ws:
+            body = {"model": "stories260K", "max_tokens": 6, "temperature": 0,
+                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Over the socket"}]}
+            await ws.send(json.dumps({"type": "request", "id": "w1", "body": body}))
+            while True:
+                message = json.loads(await ws.recv())
+                if message["type"] in ("done", "error"):
+                    return message
+
+    import asyncio
+
+    done = asyncio.run(one_request())
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 6, done
+    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # routed to acme's worker
+    after = wait_until(lambda: (u := _usage(front, ACME))["requests"] == before["requests"] + 1 and u,
+                       what="the other front door's usage in the shared ledger")
+    assert after["completion_tokens"] - before["completion_tokens"] == 6
 
 
 def test_a_pin_is_placed_on_every_worker(cluster):

@@ -39,8 +39,13 @@ async def _wait_for(fetch, predicate, timeout: float = 10.0):
         await asyncio.sleep(0.1)
 
 
-def test_dynamos_zmq_relay_places_and_drops_our_blocks(stories_dir, tmp_path):
+def test_dynamos_zmq_relay_places_and_drops_our_blocks(stories_dir, tmp_path, monkeypatch):
     from service.distributed.dynamo_runtime import create_runtime
+
+    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "discovery"))  # create_runtime sets these for the process:
+    monkeypatch.setenv("DYN_LOG", "warn")  # set them through monkeypatch so they are undone afterwards
+    for name in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_SYSTEM_HOST"):
+        monkeypatch.setenv(name, "127.0.0.1")
 
     engine = Engine.from_pretrained(stories_dir, num_blocks=8, pinned_block_budget=0)
     engine.record_kv_events()
@@ -94,10 +99,12 @@ def test_stored_blocks_of_one_chain_merge_and_carry_the_salt_where_it_enters():
     events = [BlockStored(h[0], None, (1, 2), None), BlockStored(h[1], h[0], (3, 4), b"\x07", salt_enters=True),
               BlockStored(h[2], h[1], (5, 6), b"\x07"), BlockRemoved(h[3]), BlockStored(h[3], h[0], (9, 9), None)]
     out = vllm_events(events, block_size=2)
-    assert [type(e).__name__ for e in out] == ["StoredEvent", "RemovedEvent", "StoredEvent"]
-    assert out[0].block_hashes == [external_hash(x) for x in h[:3]] and out[0].token_ids == [1, 2, 3, 4, 5, 6]
-    assert out[0].extra_keys == [None, ("07",), None] and out[0].parent_block_hash is None
-    assert out[2].parent_block_hash == external_hash(h[0])  # a new chain from an older parent: its own event
+    assert [type(e).__name__ for e in out] == ["StoredEvent", "StoredEvent", "RemovedEvent", "StoredEvent"]
+    shared, salted, _, later = out
+    assert shared.block_hashes == [external_hash(h[0])] and shared.parent_block_hash is None
+    assert salted.block_hashes == [external_hash(x) for x in h[1:3]] and salted.token_ids == [3, 4, 5, 6]
+    assert salted.parent_block_hash == external_hash(h[0]) and salted.extra_keys == [("07",), None]
+    assert later.parent_block_hash == external_hash(h[0])  # a new chain from an older parent: its own event
 
 
 def test_the_replay_socket_returns_every_batch_from_the_asked_sequence():

@@ -5,7 +5,10 @@ routing mode a fresh cluster (three `pagedserve worker`s, cold caches, and one f
 `pagedserve serve --router dynamo --routing MODE`) takes the same trace; modes alternate
 (kv, round_robin, random, then reversed, ...). Reported per mode (median of repeats):
 prefix hit rate (cached / prompt tokens, from each answer's usage), TTFT p50 / p99, output
-tok/s over the run, and how the requests spread over the workers.
+tok/s over the run, and how the requests spread over the workers. `kv` is Dynamo's KV router
+with its default cost (a block to prefill weighs as much as a block of decode load); `kv_x4`
+the same router with prefill_load_scale 4 (distributed.kv_prefill_load_scale), which holds
+a tenant's requests on the worker with its pages longer before spreading them.
 
 The model is bench/common.py's ~20M random Llama (float32). Each worker runs torch on one
 thread (OMP_NUM_THREADS=1): three workers share this machine's cores.
@@ -26,7 +29,8 @@ from pathlib import Path
 import common
 from common import log, machine_info, median, percentile, start_process, stop_process, wait_http, write_result
 
-MODES = ("kv", "round_robin", "random")
+MODES = ("kv", "kv_x4", "round_robin", "random")  # kv_x4: Dynamo's KV router with prefill_load_scale 4
+PREFILL_LOAD_SCALE = {"kv": 1.0, "kv_x4": 4.0}
 NUM_WORKERS = 3
 TENANTS = 8
 PROMPTS_PER_TENANT = 2
@@ -67,7 +71,8 @@ class Cluster:
     def __init__(self, model: Path, mode: str, root: Path) -> None:
         python = str(common.REPO / ".venv" / "bin" / "python")
         env = {"OMP_NUM_THREADS": "1", "PAGEDSERVE_SERVER_CACHE_SALT_SECRET": "bench", "PAGEDSERVE_SERVER_LOG_LEVEL":
-               "warning"}
+               "warning", "PAGEDSERVE_DISTRIBUTED_KV_PREFILL_LOAD_SCALE": str(PREFILL_LOAD_SCALE.get(mode, 1.0))}
+        routing = "kv" if mode in PREFILL_LOAD_SCALE else mode
         discovery = root / "discovery"
         self.workers = []
         for i in range(NUM_WORKERS):
@@ -80,7 +85,7 @@ class Cluster:
             wait_http(url + "/ready", proc, log_path=root / f"worker-{i}.log")
         port = common.free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.front = start_process([python, "-m", "service.cli", "serve", "--router", "dynamo", "--routing", mode,
+        self.front = start_process([python, "-m", "service.cli", "serve", "--router", "dynamo", "--routing", routing,
                                     "--model", str(model), "--discovery-dir", str(discovery), "--port", str(port),
                                     "--data-dir", str(root / "data"), "--tenants", str(tenants_file(root / "t.toml"))],
                                    env=env, log_path=root / "front-door.log")
@@ -181,7 +186,7 @@ def main() -> None:
         ratios = {mode: {"output_tok_s": summary["kv"]["output_tok_s"] / summary[mode]["output_tok_s"],
                          "ttft_p50": summary["kv"]["ttft_p50_s"] / summary[mode]["ttft_p50_s"],
                          "ttft_p99": summary["kv"]["ttft_p99_s"] / summary[mode]["ttft_p99_s"]}
-                  for mode in ("round_robin", "random")}
+                  for mode in MODES[1:]}
         results[str(rate)] = {"summary": summary, "kv_over": ratios, "runs": runs}
     write_result("routing", args.quick, {
         "machine": machine_info(), "workload": {"workers": NUM_WORKERS, "tenants": TENANTS,

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from config import Settings
 from runtime.kv_events import KVEvent, net_hashes
 from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
-from service.bridge import EngineBridge, EngineLike, EngineThread
+from service.bridge import EngineBridge, EngineLike, start_engine
 from service.api import dashboard
 from service.billing.journal import UsageJournal
 from service.billing.ledger import RedisLedger, SQLiteLedger
@@ -106,6 +106,19 @@ async def _publish_kv_events(state: ServiceState, pending: dict[bytes, bool], pe
             await asyncio.sleep(1.0)
 
 
+def _feed_prefix_index(state: ServiceState, bridge: EngineBridge) -> asyncio.Task:
+    """Hand the engine's KV events to the prefix index: the bridge collects, a task publishes in batches."""
+    pending: dict[bytes, bool] = {}
+
+    def on_kv_events(events: list[KVEvent]) -> None:
+        stored, removed = net_hashes(events)
+        pending.update(dict.fromkeys(stored, True))
+        pending.update(dict.fromkeys(removed, False))
+
+    bridge.on_kv_events = on_kv_events
+    return asyncio.create_task(_publish_kv_events(state, pending))
+
+
 async def _restore_pins(state: ServiceState) -> None:
     """Re-pin the registered prefixes (the pin registry survives restarts; the engine's pages do not)."""
     try:
@@ -121,17 +134,6 @@ async def _restore_pins(state: ServiceState) -> None:
             log.warning("pinned prefix not restored", tenant=pin.tenant, pin_id=pin.pin_id, error=str(exc))
 
 
-async def _start_engine(settings: Settings, engine_factory: Callable[[Settings], EngineLike]):
-    """(engine, its bridge): the engine built on the thread that will step it."""
-    thread = EngineThread()
-    try:
-        engine = await thread.call(engine_factory, settings)
-    except BaseException:
-        thread.close()
-        raise
-    return engine, EngineBridge(engine, asyncio.get_running_loop(), kv_events=True, thread=thread)
-
-
 def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLike] = load_engine) -> web.Application:
     """The service app. The engine is built at start-up (on its thread) and stopped at cleanup; with
     distributed.router = "dynamo" the app joins the workers' cluster instead."""
@@ -145,7 +147,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         await journal.start()
         embedded = settings.distributed.router == "embedded"
         if embedded:
-            engine, bridge = await _start_engine(settings, engine_factory)
+            engine, bridge = await start_engine(engine_factory, settings)
         else:  # workers behind Dynamo: their KV events go to Dynamo's indexer, not to our prefix index
             from service.distributed.front_door import DynamoBridge
 
@@ -157,17 +159,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats, model_name), model_name, tenants,
                              ledger, journal, pins, limiter, prefix_index, replica_id)
         app[STATE] = state
-        publisher = None
-        if embedded:
-            pending_events: dict[bytes, bool] = {}
-
-            def on_kv_events(events: list[KVEvent]) -> None:
-                stored, removed = net_hashes(events)
-                pending_events.update(dict.fromkeys(stored, True))
-                pending_events.update(dict.fromkeys(removed, False))
-
-            bridge.on_kv_events = on_kv_events
-            publisher = asyncio.create_task(_publish_kv_events(state, pending_events))
+        publisher = _feed_prefix_index(state, bridge) if embedded else None
         bridge.start()
         await _restore_pins(state)
         if engine.tokenizer.chat_template.is_fallback:

@@ -419,6 +419,20 @@ class EngineBridge:
             self._stop_event.set()
 
 
+async def start_engine(engine_factory: Callable, settings, kv_events: bool = True) -> tuple[EngineLike, EngineBridge]:
+    """Build the engine with `engine_factory(settings)` on a new EngineThread, and its bridge on this loop.
+
+    The bridge is not started: set on_kv_events first if needed, then call start().
+    """
+    thread = EngineThread()
+    try:
+        engine = await thread.call(engine_factory, settings)
+    except BaseException:
+        thread.close()
+        raise
+    return engine, EngineBridge(engine, asyncio.get_running_loop(), kv_events=kv_events, thread=thread)
+
+
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
     if future.done():
         return

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from config import Settings
 from runtime.sampling_params import InvalidRequestError
-from service.bridge import EngineBridge, EngineLike, EngineThread
+from service.bridge import EngineBridge, EngineLike, start_engine
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
 from service.distributed.kv_publisher import DynamoKvPublisher
@@ -143,7 +143,11 @@ async def _publish_load(bridge: EngineBridge, publisher) -> None:
 
 
 async def serve_worker(settings: Settings, engine_factory=None) -> None:
-    """Run a worker until SIGTERM or SIGINT: build the engine, serve the endpoint, register the model."""
+    """Run a worker until SIGTERM or SIGINT: build the engine, serve the endpoint, register the model.
+
+    On the signal it leaves discovery first (the router stops sending), lets what runs finish
+    (up to server.shutdown_timeout_s), then stops.
+    """
     from service.app import load_engine
 
     core = import_dynamo()
@@ -151,45 +155,20 @@ async def serve_worker(settings: Settings, engine_factory=None) -> None:
     dist = settings.distributed
     runtime = create_runtime(loop, dist.discovery_dir)
     endpoint = runtime.endpoint(endpoint_path(dist.namespace))
-    thread = EngineThread()
-    try:
-        engine = await thread.call(engine_factory or load_engine, settings)
-    except BaseException:
-        thread.close()
-        raise
+    engine, bridge = await start_engine(engine_factory or load_engine, settings)
     model_name = settings.server.served_model_name or engine.model_name
-    bridge = EngineBridge(engine, loop, kv_events=True, thread=thread)
-    publishers = [DynamoKvPublisher(endpoint, engine.block_size)]
-    if dist.kv_events_endpoint:
-        from service.distributed.vllm_events import VllmEventPublisher
-
-        publishers.append(VllmEventPublisher(dist.kv_events_endpoint, dist.kv_events_replay_endpoint,
-                                             dist.kv_events_topic, engine.block_size))
-
-    def on_kv_events(events) -> None:
-        for publisher in publishers:
-            publisher.publish(events)
-
-    bridge.on_kv_events = on_kv_events
+    publishers = _kv_publishers(endpoint, engine.block_size, settings)
+    bridge.on_kv_events = lambda events: [publisher.publish(events) for publisher in publishers]
     bridge.start()
     load_publisher = core.WorkerMetricsPublisher()
     await load_publisher.create_endpoint(endpoint)
     load_task = asyncio.create_task(_publish_load(bridge, load_publisher))
     worker = Worker(engine, bridge, model_name)
     serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.handle, graceful_shutdown=False))
-    config = core.ModelRuntimeConfig()
-    config.total_kv_blocks = engine.limits.num_schedulable_blocks
-    config.max_num_seqs = settings.engine.max_num_seqs
-    config.max_num_batched_tokens = settings.engine.max_num_batched_tokens
-    config.context_length = engine.max_model_len
-    await core.register_model(core.ModelInput.Tokens, core.ModelType.Chat | core.ModelType.Completions, endpoint,
-                              settings.server.model, model_name, worker_type=core.WorkerType.Aggregated,
-                              kv_cache_block_size=engine.block_size, runtime_config=config, skip_model_assets=True)
-    metrics = ServiceMetrics(lambda: bridge.stats, model_name)
-    runner = web.AppRunner(_probe_app(bridge, metrics), access_log=None)
+    await _register(core, endpoint, settings, engine, model_name)
+    runner = web.AppRunner(_probe_app(bridge, ServiceMetrics(lambda: bridge.stats, model_name)), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
-    await site.start()
+    await web.TCPSite(runner, settings.server.host, settings.server.port).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -198,12 +177,15 @@ async def serve_worker(settings: Settings, engine_factory=None) -> None:
     done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), serving], return_when=asyncio.FIRST_COMPLETED)
     if serving in done and serving.exception() is not None:
         log.error("the endpoint stopped", error=repr(serving.exception()))
-    log.info("worker stopping")
+    log.info("worker stopping: leaving discovery, then draining", num_inflight=bridge.num_inflight)
     try:
         await core.unregister_model(endpoint)
         await endpoint.unregister_endpoint_instance()
     except Exception as exc:
         log.warning("could not unregister from discovery", error=repr(exc))
+    deadline = loop.time() + settings.server.shutdown_timeout_s
+    while bridge.num_inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
     load_task.cancel()
     await bridge.stop()
     for publisher in publishers:
@@ -211,6 +193,30 @@ async def serve_worker(settings: Settings, engine_factory=None) -> None:
     await runner.cleanup()
     runtime.shutdown()
     log.info("worker stopped")
+
+
+def _kv_publishers(endpoint, block_size: int, settings: Settings) -> list:
+    """Dynamo's KV event publisher, and the vLLM-format ZMQ one when kv_events_endpoint is set."""
+    dist = settings.distributed
+    publishers = [DynamoKvPublisher(endpoint, block_size)]
+    if dist.kv_events_endpoint:
+        from service.distributed.vllm_events import VllmEventPublisher
+
+        publishers.append(VllmEventPublisher(dist.kv_events_endpoint, dist.kv_events_replay_endpoint,
+                                             dist.kv_events_topic, block_size))
+    return publishers
+
+
+async def _register(core, endpoint, settings: Settings, engine, model_name: str) -> None:
+    """Advertise the model on the endpoint, with the sizes Dynamo's router plans with."""
+    config = core.ModelRuntimeConfig()
+    config.total_kv_blocks = engine.limits.num_schedulable_blocks
+    config.max_num_seqs = settings.engine.max_num_seqs
+    config.max_num_batched_tokens = settings.engine.max_num_batched_tokens
+    config.context_length = engine.max_model_len
+    await core.register_model(core.ModelInput.Tokens, core.ModelType.Chat | core.ModelType.Completions, endpoint,
+                              settings.server.model, model_name, worker_type=core.WorkerType.Aggregated,
+                              kv_cache_block_size=engine.block_size, runtime_config=config, skip_model_assets=True)
 
 
 def run_worker(settings: Settings) -> None:

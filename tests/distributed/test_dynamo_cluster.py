@@ -27,6 +27,9 @@ SYSTEM = ("You are the storyteller of a small town. Every story has a dog named 
           "a red ball and a big tree by the river. The stories are short, kind and happy, and they always end "
           "with the friends going home for dinner when the sun goes down behind the hills.")
 
+SHARED = ("House rules for every assistant of this deployment: answer in plain words, keep to the story, "
+          "never make up facts about real people, and end each answer with a short question.\n")
+
 
 def _headers(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
@@ -38,7 +41,7 @@ def cluster(tmp_path_factory, stories_dir):
     redis_server = start_server(root / "redis")
     tenants = write_tenants_file(root / "tenants.toml", {"acme": {"keys": [ACME], "plan": "standard"},
                                                          "globex": {"keys": [GLOBEX], "plan": "standard"}},
-                                 admin_keys=[ADMIN])
+                                 admin_keys=[ADMIN], shared_prefixes=[{"name": "house-rules", "text": SHARED}])
     env = {"PAGEDSERVE_SERVER_CACHE_SALT_SECRET": "cluster-test-secret"}
     discovery = root / "discovery"
     flags = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "8")
@@ -162,6 +165,14 @@ def test_another_tenant_never_reads_the_first_tenants_pages(cluster):
     assert all(blocks == 0 for blocks in _lookup(front, "globex", SYSTEM).values())  # the router keeps salts apart
     assert _cached(_complete(front, GLOBEX, prompt)) == 0
     assert _cached(_complete(front, GLOBEX, prompt)) > 0  # globex now has its own copy, under its own salt
+
+
+def test_an_operator_shared_prefix_is_routed_to_its_pages_for_every_tenant(cluster):
+    front = cluster["front"]
+    assert _cached(_complete(front, ACME, SHARED + "Acme asks about boats.")) == 0
+    holders = _lookup(front, "globex", SHARED + "Globex asks about fish.")  # routed unsalted: the shared blocks count
+    assert sorted(holders.values())[-1] >= 3 and sorted(holders.values())[:2] == [0, 0], holders
+    assert _cached(_complete(front, GLOBEX, SHARED + "Globex asks about fish.")) >= 48  # acme's shared pages
 
 
 def test_a_second_front_door_serves_the_websocket_and_shares_the_ledger(cluster):

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from config import Settings
 from runtime.kv_events import KVEvent, net_hashes
 from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
-from service.bridge import EngineBridge, EngineLike, start_engine
+from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
 from service.api import dashboard
 from service.billing.journal import UsageJournal
 from service.billing.ledger import RedisLedger, SQLiteLedger
@@ -31,14 +31,6 @@ from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
 
 log = structlog.get_logger(__name__)
-
-
-def load_engine(settings: Settings) -> EngineLike:
-    """Build the runtime Engine that the settings name (runs on the engine thread, where it will step)."""
-    from runtime import Engine
-
-    engine_settings = {f: getattr(settings.engine, f) for f in settings.engine.__struct_fields__}
-    return Engine.from_pretrained(settings.server.model, show_progress=True, **engine_settings)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -419,6 +419,14 @@ class EngineBridge:
             self._stop_event.set()
 
 
+def load_engine(settings) -> EngineLike:
+    """Build the runtime Engine that the settings name (run it on the engine thread, where it will step)."""
+    from runtime import Engine
+
+    engine_settings = {f: getattr(settings.engine, f) for f in settings.engine.__struct_fields__}
+    return Engine.from_pretrained(settings.server.model, show_progress=True, **engine_settings)
+
+
 async def start_engine(engine_factory: Callable, settings, kv_events: bool = True) -> tuple[EngineLike, EngineBridge]:
     """Build the engine with `engine_factory(settings)` on a new EngineThread, and its bridge on this loop.
 

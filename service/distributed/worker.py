@@ -22,7 +22,7 @@ from aiohttp import web
 
 from config import Settings
 from runtime.sampling_params import InvalidRequestError
-from service.bridge import EngineBridge, EngineLike, start_engine
+from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
 from service.distributed.kv_publisher import DynamoKvPublisher
@@ -142,20 +142,18 @@ async def _publish_load(bridge: EngineBridge, publisher) -> None:
         await asyncio.sleep(LOAD_PERIOD_S)
 
 
-async def serve_worker(settings: Settings, engine_factory=None) -> None:
+async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
     """Run a worker until SIGTERM or SIGINT: build the engine, serve the endpoint, register the model.
 
     On the signal it leaves discovery first (the router stops sending), lets what runs finish
     (up to server.shutdown_timeout_s), then stops.
     """
-    from service.app import load_engine
-
     core = import_dynamo()
     loop = asyncio.get_running_loop()
     dist = settings.distributed
     runtime = create_runtime(loop, dist.discovery_dir)
     endpoint = runtime.endpoint(endpoint_path(dist.namespace))
-    engine, bridge = await start_engine(engine_factory or load_engine, settings)
+    engine, bridge = await start_engine(engine_factory, settings)
     model_name = settings.server.served_model_name or engine.model_name
     publishers = _kv_publishers(endpoint, engine.block_size, settings)
     bridge.on_kv_events = lambda events: [publisher.publish(events) for publisher in publishers]

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parents[2] / "service"
-FOLDERS = ("api", "billing")
+FOLDERS = ("api", "billing", "distributed")
 
 
 def _part(module: str) -> str | None:
@@ -46,6 +46,12 @@ def test_the_parts_are_the_folders_and_flat_modules():
 def test_only_the_app_imports_the_api():
     importers = {source for source, targets in import_graph().items() if "api" in targets}
     assert importers == {"app"}
+
+
+def test_only_the_app_and_the_cli_import_the_distributed_part_and_it_never_imports_the_api():
+    importers = {source for source, targets in import_graph().items() if "distributed" in targets}
+    assert importers == {"app", "cli"}  # the front door's bridge; `pagedserve worker`
+    assert "api" not in import_graph()["distributed"] and "app" not in import_graph()["distributed"]
 
 
 def test_billing_imports_no_other_part():

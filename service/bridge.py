@@ -187,7 +187,21 @@ class EngineThread:
                     future.set_exception(exc)
 
 
-class EngineBridge:
+class StreamsInFlight:
+    """A bridge's loop-side table of live streams (request id -> stream), and what admission counts in it."""
+
+    streams: dict[str, RequestStream]
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.streams)
+
+    @property
+    def num_inflight_sequences(self) -> int:
+        return sum(stream.n for stream in self.streams.values())
+
+
+class EngineBridge(StreamsInFlight):
     """Runs the engine on its own thread; streams its outputs to asyncio consumers."""
 
     def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, kv_events: bool = False,
@@ -250,14 +264,6 @@ class EngineBridge:
     @property
     def num_workers(self) -> int:
         return 1
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self.streams)
-
-    @property
-    def num_inflight_sequences(self) -> int:
-        return sum(stream.n for stream in self.streams.values())
 
     async def stop(self) -> None:
         """Abort everything still running and join the engine thread."""

@@ -66,22 +66,22 @@ def _settings(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     from service.server import run
 
-    settings = _settings(args)
-    if settings is None:
-        return 2
-    configure_logging(args.log_level or settings.server.log_level, settings.server.log_json)
-    run(settings)
-    return 0
+    return _run_with_settings(args, run)
 
 
 def _worker(args: argparse.Namespace) -> int:
     from service.distributed.worker import run_worker
 
+    return _run_with_settings(args, run_worker)
+
+
+def _run_with_settings(args: argparse.Namespace, main) -> int:
+    """Load the settings, set up logging, run `main(settings)`; 2 if the settings are invalid."""
     settings = _settings(args)
     if settings is None:
         return 2
     configure_logging(args.log_level or settings.server.log_level, settings.server.log_json)
-    run_worker(settings)
+    main(settings)
     return 0
 
 

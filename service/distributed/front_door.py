@@ -32,6 +32,7 @@ from runtime.request import Request
 from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.tokenizer import load_tokenizer
+from service.bridge import StreamsInFlight
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo, routing_namespace
 from service.streams import RequestStream
@@ -79,7 +80,7 @@ def sum_stats(per_worker: list[dict]) -> dict:
     return total
 
 
-class DynamoBridge:
+class DynamoBridge(StreamsInFlight):
     """EngineBridge's interface, each request sent to the worker Dynamo picks (see the module docstring)."""
 
     def __init__(self, runtime, endpoint, client, router, routing: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -142,14 +143,6 @@ class DynamoBridge:
     @property
     def num_workers(self) -> int:
         return len(self.live_workers())
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self.streams)
-
-    @property
-    def num_inflight_sequences(self) -> int:
-        return sum(stream.n for stream in self.streams.values())
 
     def live_workers(self) -> list[int]:
         """Workers in discovery that have not failed lately, in id order."""

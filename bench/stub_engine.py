@@ -12,6 +12,7 @@ import time
 
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request
+from runtime.request_builder import RequestLimits
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.tokenizer import ByteTokenizer
 
@@ -21,8 +22,9 @@ class StubEngine:
     max_model_len = 1 << 20
     block_size = 16
 
-    def __init__(self) -> None:
+    def __init__(self, max_num_seqs: int = 64) -> None:
         self.tokenizer = ByteTokenizer()
+        self.limits = RequestLimits(256, self.block_size, self.max_model_len, max_num_seqs, 1 << 20)
         self.requests: dict[str, list] = {}  # id -> [params, num_prompt, num_emitted, aborted]
 
     def tokenize(self, prompt) -> list[int]:

@@ -24,4 +24,4 @@ if __name__ == "__main__":
         "data_dir": args.data_dir or tempfile.mkdtemp(prefix="stub-"),
         "reply_after_usage_on_disk": not args.reply_before_usage_on_disk}})
     configure_logging("warning")
-    run(settings, engine_factory=lambda s: StubEngine())
+    run(settings, engine_factory=lambda s: StubEngine(s.engine.max_num_seqs))

@@ -103,6 +103,10 @@ class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
             raise ConfigError(f"distributed.router must be one of {ROUTERS}, got {self.router!r}")
         if self.routing not in ROUTING_MODES:
             raise ConfigError(f"distributed.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
+        if not self.worker_timeout_s > 0:
+            raise ConfigError(f"distributed.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("distributed.kv_events_replay_endpoint needs distributed.kv_events_endpoint")
         if not self.kv_prefill_load_scale > 0:
             raise ConfigError(f"distributed.kv_prefill_load_scale must be > 0, got {self.kv_prefill_load_scale}")
         if "." in self.namespace or not self.namespace:

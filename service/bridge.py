@@ -36,6 +36,7 @@ from runtime.chat_template import ChatTemplate
 from runtime.kv_events import KVEvent
 from runtime.outputs import RequestOutput
 from runtime.request import Request
+from runtime.request_builder import RequestLimits
 from runtime.sampling_params import SamplingParams
 from service.streams import RequestStream
 
@@ -67,6 +68,7 @@ class ModelLike(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     block_size: int
+    limits: RequestLimits  # the sizes requests are checked against (max_num_seqs sets admission too)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -280,8 +282,6 @@ class EngineBridge(StreamsInFlight):
         self._undelivered.release()
         if stats is not None:
             self.stats = stats
-        if events and self.on_kv_events is not None:
-            self.on_kv_events(events)
         now = time.monotonic()
         for output in outputs:
             stream = self.streams.get(output.request_id)
@@ -294,6 +294,11 @@ class EngineBridge(StreamsInFlight):
             stream = self.streams.pop(request_id, None)
             if stream is not None:
                 stream.fail(error)
+        if events and self.on_kv_events is not None:  # after the outputs: a publisher's error never loses them
+            try:
+                self.on_kv_events(events)
+            except Exception:
+                log.exception("KV events not published", num_events=len(events))
 
     def _fail_all_streams(self, error: Exception) -> None:
         """Loop side, when the engine thread has stopped for good: nobody waits forever."""

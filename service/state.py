@@ -71,7 +71,8 @@ class ServiceState:
         if not self.ready:
             raise APIError(503, "the server is shutting down or unhealthy; retry on another replica", None,
                            "service_unavailable", {"Retry-After": "5"})
-        limit = (self.settings.engine.max_num_seqs + self.settings.server.max_queued_requests) * max(1, self.bridge.num_workers)
+        per_worker = self.engine.limits.max_num_seqs + self.settings.server.max_queued_requests  # workers' own sizes
+        limit = per_worker * max(1, self.bridge.num_workers)
         if self.bridge.num_inflight_sequences + self.num_reserved + num_sequences > limit:
             raise APIError(429, f"the server is at capacity ({limit} sequences in flight); retry shortly", None,
                            "too_many_requests", {"Retry-After": "1"})

@@ -11,9 +11,10 @@ same as in the embedded server. Each request goes to one worker:
     round_robin  Dynamo's client, next instance in turn
     random       Dynamo's client, a random instance
 
-then streams from it directly (Client.direct). A worker that cannot be reached before its
-first frame is skipped and the request is routed again; a worker lost mid-stream fails its
-streams (an error event and [DONE]), and is left out until discovery drops it.
+then streams from it (Client.direct). A worker that cannot be reached, or breaks, before its
+first frame costs the request a new route (3 tries): with `kv` that worker is left out until
+discovery drops it, with the plain client the next pick moves on. A worker lost mid-stream
+fails its streams (an error event and [DONE]).
 
 `RemoteModel` is the loop-side part of an engine: the checkpoint's tokenizer and the workers'
 limits (asked of a worker at start-up), so requests are validated before they leave.
@@ -117,11 +118,15 @@ class DynamoBridge(StreamsInFlight):
         try:
             async with asyncio.timeout(dist.worker_timeout_s):
                 worker_ids = await client.wait_for_instances()
-                reply = await _call(client, wire.Describe(), worker_ids[0])
+            reply = await _call(client, wire.Describe(), worker_ids[0])
         except TimeoutError:
             runtime.shutdown()
-            raise RuntimeError(f"no pagedserve worker answered within {dist.worker_timeout_s} s at "
-                               f"{endpoint_path(dist.namespace)} (discovery: {dist.discovery_dir})") from None
+            raise RuntimeError(f"no pagedserve worker answered at {endpoint_path(dist.namespace)} "
+                               f"(discovery: {dist.discovery_dir}; waited up to {dist.worker_timeout_s} s for one, "
+                               f"{CALL_TIMEOUT_S} s for its limits)") from None
+        except BaseException:
+            runtime.shutdown()
+            raise
         limits = RequestLimits(**reply["limits"])
         model = RemoteModel(reply["model_name"], load_tokenizer(settings.server.model), limits)
         router = None
@@ -173,22 +178,22 @@ class DynamoBridge(StreamsInFlight):
         Every worker, not only the one the router prefers: a pinned prefix is a tenant's hot
         system prompt, and with it resident everywhere the router can place that tenant's
         requests by load alone without losing the hit. It costs the pin's pages once per worker.
-        Raises the first worker's InvalidRequestError (e.g. the pin budget).
+        Raises the first worker's InvalidRequestError (e.g. the pin budget), or RuntimeError if
+        no worker took it; the workers that did take it keep it until unpin. Only a pin that was
+        placed is replayed on workers that join.
         """
         call = wire.Pin(pin_id, prompt_token_ids, wire.salt_hex(cache_salt), shared_prefix_len)
-        self._pins[pin_id] = call
         workers = self.live_workers()
         results = await asyncio.gather(*(self._pin_on(w, call) for w in workers), return_exceptions=True)
-        for result in results:
-            if isinstance(result, InvalidRequestError):
-                self._pins.pop(pin_id, None)
-                await self.unpin(pin_id)
-                raise result
         for worker_id, result in zip(workers, results):
             if isinstance(result, Exception):
                 log.warning("pin not placed on a worker", worker_id=worker_id, pin_id=pin_id, error=repr(result))
+        invalid = next((r for r in results if isinstance(r, InvalidRequestError)), None)
+        if invalid is not None:
+            raise invalid
         if not any(result is None for result in results):
             raise RuntimeError(f"the pin {pin_id!r} was placed on no worker")
+        self._pins[pin_id] = call
 
     async def _pin_on(self, worker_id: int, call: wire.Pin) -> None:
         await _call(self._client, call, worker_id)
@@ -238,37 +243,44 @@ class DynamoBridge(StreamsInFlight):
         context = import_dynamo().Context(request_id)
         self._contexts[request_id] = context
         try:
-            for attempt in range(MAX_ROUTE_ATTEMPTS):
-                if request_id not in self.streams:
-                    return  # aborted while routing
-                try:
-                    if await self._stream_once(stream, request, call, context):
-                        return
-                except WorkerLost as exc:
-                    if request_id not in self.streams:
-                        return
-                    stream.fail(exc)
-                    return
+            for _ in range(MAX_ROUTE_ATTEMPTS):
+                if request_id not in self.streams or await self._stream_once(stream, request, call, context):
+                    return  # aborted, or the worker ended it
             stream.fail(WorkerLost(f"no worker could be reached in {MAX_ROUTE_ATTEMPTS} attempts"))
-        except Exception as exc:  # routing failed (no workers), or a bug: the stream must end
+        except Exception as exc:  # no worker at all, a lost worker, a malformed frame: the stream must end
             log.warning("request failed in the front door", request_id=request_id, error=repr(exc))
-            if request_id in self.streams:
-                stream.fail(RuntimeError(f"routing failed: {exc}"))
+            if not stream.finished:
+                stream.fail(exc if isinstance(exc, (WorkerLost, InvalidRequestError)) else
+                            RuntimeError(f"routing failed: {exc}"))
         finally:
             self.streams.pop(request_id, None)
             self._contexts.pop(request_id, None)
 
     async def _stream_once(self, stream: RequestStream, request: Request, call: dict, context) -> bool:
-        """Send the request to one worker and relay its frames. False: unreachable, route again.
+        """Send the request to one worker and relay its frames. True: it ended (or was aborted);
+        False: the worker could not be reached or broke before its first frame, route again.
 
-        Raises WorkerLost when the worker broke after its first frame.
+        Only the transport counts against the worker (Dynamo raises plain Exceptions for a worker
+        it cannot reach or lost); a malformed frame fails the request. Raises WorkerLost when the
+        worker broke after its first frame.
         """
         request_id = request.request_id
         worker_id, tracked = await self._pick(request)
         got_frame = False
         try:
-            frames = await self._open(call, worker_id, context)
-            async for item in frames:
+            if request_id not in self.streams:
+                return True  # aborted while routing: nothing sent
+            try:
+                frames = await self._open(call, worker_id, context)
+            except Exception as exc:
+                return self._lose(worker_id, request_id, exc, got_frame)
+            while True:
+                try:
+                    item = await anext(frames, None)
+                except Exception as exc:
+                    return self._lose(worker_id, request_id, exc, got_frame)
+                if item is None:
+                    break
                 data = item.data()
                 if data is None:
                     continue
@@ -277,26 +289,28 @@ class DynamoBridge(StreamsInFlight):
                     await self._router.mark_prefill_complete(request_id)
                 got_frame = True
                 if isinstance(frame, wire.Failure):
-                    error = InvalidRequestError(frame.message, frame.param, frame.code) if frame.invalid \
-                        else RuntimeError(frame.message)
-                    stream.fail(error)
+                    stream.fail(wire.failure_error(frame))
                     return True
                 if request_id not in self.streams:
                     return True  # aborted: the stop signal is on its way to the worker
-                stream.push(wire.request_output(request_id, request.prompt_token_ids, frame,
-                                                isinstance(frame, wire.Done)), time.monotonic())
-                if isinstance(frame, wire.Done):
+                done = isinstance(frame, wire.Done)
+                stream.push(wire.request_output(request_id, request.prompt_token_ids, frame, done), time.monotonic())
+                if done:
                     return True
-            if request_id not in self.streams or context.is_stopped():
-                return True
-            error: Exception = WorkerLost(f"worker {worker_id}'s stream ended before the request did")
-        except Exception as exc:  # Dynamo raises plain Exceptions for a worker it cannot reach or lost
             if request_id not in self.streams:
                 return True
-            error = exc
+            return self._lose(worker_id, request_id, WorkerLost("its stream ended before the request did"), got_frame)
         finally:
             if tracked:
-                await self._router.free(request_id)
+                try:
+                    await self._router.free(request_id)
+                except Exception as exc:  # the router's count goes stale; the answer stands
+                    log.warning("router free failed", request_id=request_id, error=repr(exc))
+
+    def _lose(self, worker_id: int | None, request_id: str, error: Exception, got_frame: bool) -> bool:
+        """Note a worker that failed this request: False (route again), or WorkerLost after its first frame."""
+        if request_id not in self.streams:
+            return True  # aborted meanwhile: nothing to route
         if worker_id is not None:
             self._lost[worker_id] = time.monotonic()
         log.warning("worker lost", worker_id=worker_id, request_id=request_id, after_first_frame=got_frame,
@@ -373,9 +387,7 @@ async def _call(client, message: msgspec.Struct, worker_id: int):
             if isinstance(frame, wire.Reply):
                 return frame.value
             if isinstance(frame, wire.Failure):
-                if frame.invalid:
-                    raise InvalidRequestError(frame.message, frame.param, frame.code)
-                raise RuntimeError(frame.message)
+                raise wire.failure_error(frame)
     raise RuntimeError(f"worker {worker_id} sent no reply to {type(message).__name__}")
 
 

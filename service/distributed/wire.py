@@ -4,7 +4,8 @@ Dynamo carries JSON-like Python objects, so each message is a msgspec Struct tur
 builtins (`encode`) and back (`decode_call`, `decode_frame`), tagged by its `type` field.
 
     front door -> worker      Generate | Pin | Unpin | Describe | Stats | PageMap
-    worker -> front door      Output* (one per engine step with news), then Done; or Failure;
+    worker -> front door      Output* (what the request's stream gained since the last frame:
+                              one step's news, or several steps' merged), then Done; or Failure;
                               Reply for the one-shot calls
 """
 
@@ -16,7 +17,7 @@ import msgspec
 
 from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams
 from service.streams import ChoiceDelta
 
 
@@ -91,6 +92,18 @@ class Reply(msgspec.Struct, tag="reply"):
 
 
 Frame = Output | Done | Failure | Reply
+
+
+def failure_error(frame: Failure) -> Exception:
+    """The exception a Failure frame stands for: the caller's InvalidRequestError, or the worker's RuntimeError."""
+    if frame.invalid:
+        return InvalidRequestError(frame.message, frame.param, frame.code)
+    return RuntimeError(frame.message)
+
+
+def failure_of(exc: InvalidRequestError) -> Failure:
+    """A caller's error as the Failure frame that carries it back."""
+    return Failure(exc.message, invalid=True, param=exc.param, code=exc.code)
 
 
 def encode(message: msgspec.Struct) -> dict:

@@ -1,13 +1,13 @@
 """`pagedserve worker`: one engine served as a Dynamo endpoint, behind Dynamo's KV router.
 
     front door --Generate--> handle() --> EngineBridge (the same engine thread as `serve`)
-               <--Output*, Done-- the request's RequestStream, one frame per step with news
+               <--Output*, Done-- the request's RequestStream, a frame each time it gained news
 
 A request stopped by its caller (Dynamo's context: cancel, disconnect) is aborted at once, so
 its pages are free by the end of the next step. Every step's KV events go to Dynamo's
-router (and, with `kv_events_endpoint`, out as vLLM-format ZMQ events); the worker's load
-(KV pages in use, running and waiting requests) goes to the router and to `/metrics` on the
-worker's small HTTP port (with `/health` and `/ready`, for probes).
+router (and, with `kv_events_endpoint`, out as vLLM-format ZMQ events). Its load goes to the
+router (KV pages in use, pins and prefills included) and, with running and waiting requests,
+to `/metrics` on the worker's small HTTP port (with `/health`, `/ready` and `/stats`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Worker:
                                                   wire.salt_bytes(call.cache_salt),
                                                   call.num_shared_blocks * self.engine.block_size)
         except InvalidRequestError as exc:
-            yield wire.Failure(exc.message, invalid=True, param=exc.param, code=exc.code)
+            yield wire.failure_of(exc)
             return
         except msgspec.ValidationError as exc:
             yield wire.Failure(str(exc), invalid=True)
@@ -101,7 +101,7 @@ class Worker:
             if isinstance(call, wire.Unpin):
                 return wire.Reply(await self.bridge.unpin(call.pin_id))
         except InvalidRequestError as exc:
-            return wire.Failure(exc.message, invalid=True, param=exc.param, code=exc.code)
+            return wire.failure_of(exc)
         except Exception as exc:
             log.exception("worker call failed", call=type(call).__name__)
             return wire.Failure(f"{type(call).__name__} failed on the worker: {exc}")

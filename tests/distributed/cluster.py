@@ -77,12 +77,12 @@ def start_worker(name: str, model: Path, discovery_dir: Path, log_dir: Path, *ex
 
 
 def start_front_door(model: Path, discovery_dir: Path, data_dir: Path, log_dir: Path, *extra: str,
-                     env: dict[str, str] | None = None) -> Process:
+                     env: dict[str, str] | None = None, name: str = "front-door") -> Process:
     """`pagedserve serve --router dynamo` on a free port."""
     port = free_port()
     args = ["serve", "--router", "dynamo", "--model", str(model), "--discovery-dir", str(discovery_dir),
             "--port", str(port), "--data-dir", str(data_dir), *extra]
-    return Process("front-door", args, port, log_dir, env or {})
+    return Process(name, args, port, log_dir, env or {})
 
 
 def worker_stats(worker: Process) -> dict:

@@ -308,8 +308,9 @@ def main() -> None:
     log("calibrating the step cost model on this machine (the ~20M random Llama, float32)")
     cost = calibrate(model)
     log(f"cost model: {cost}")
-    one = step_cost(cost, _FakeBatch(prefill=SYSTEM_TOKENS + USER_TOKENS)) + OUTPUT_TOKENS * (
-        cost["a_s"] / MAX_NUM_SEQS + cost["c_s_per_decode_seq"] + cost["d_s_per_context_token"] * SYSTEM_TOKENS)
+    prefill = cost["a_s"] + cost["b_s_per_prefill_token"] * (SYSTEM_TOKENS + USER_TOKENS)  # one cold prompt, alone
+    decode = cost["a_s"] / MAX_NUM_SEQS + cost["c_s_per_decode_seq"] + cost["d_s_per_context_token"] * SYSTEM_TOKENS
+    one = prefill + OUTPUT_TOKENS * decode  # its share of a full decode batch per output token
     cold_capacity = 1.0 / one  # requests/s one worker finishes with no prefix hits, batching decodes
     log(f"one worker's cold-cache capacity: {cold_capacity:.2f} req/s")
     results = []
@@ -338,19 +339,6 @@ def main() -> None:
         "capacity_load_under_slo": capacity, "runs": results})
     plot(results, args.workers, args.quick)
     del handle
-
-
-class _FakeBatch:
-    """A one-sequence prefill batch for the capacity estimate."""
-
-    def __init__(self, prefill: int) -> None:
-        self.seqs = [_FakeSeq()]
-        self.num_new_tokens = [prefill]
-
-
-class _FakeSeq:
-    num_computed_tokens = 0
-    num_prompt_tokens = 1 << 30
 
 
 def plot(results: list[dict], fleet_sizes: list[int], quick: bool) -> None:

@@ -91,8 +91,8 @@ class Cluster:
                                    env=env, log_path=root / "front-door.log")
         wait_http(self.url + "/ready", self.front, log_path=root / "front-door.log")
 
-    def worker_requests(self) -> list[int]:
-        """Requests each worker took (prefix-cache lookups count one per prompt token: divided back)."""
+    def worker_prompt_tokens(self) -> list[int]:
+        """Prompt tokens each worker looked up in its prefix cache so far (one lookup per prompt at admission)."""
         import urllib.request
 
         counts = []
@@ -143,9 +143,9 @@ def run_mode(model: Path, mode: str, trace: list[dict]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-routing-{mode}-") as tmp:
         cluster = Cluster(model, mode, Path(tmp))
         try:
-            before = cluster.worker_requests()
+            before = cluster.worker_prompt_tokens()
             answers = asyncio.run(drive(cluster.url, trace))
-            spread = [b - a for a, b in zip(before, cluster.worker_requests())]
+            spread = [b - a for a, b in zip(before, cluster.worker_prompt_tokens())]
         finally:
             cluster.stop()
     done = [a for a in answers if "error" not in a]

@@ -25,7 +25,7 @@ from service.rate_limit import LocalRateLimiter, RedisRateLimiter
 from service.redis_pool import create_redis
 from service.tenants import TenantDirectory
 from service.errors import error_middleware
-from service.metrics import ServiceMetrics
+from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
 from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
@@ -46,7 +46,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def build_stores(settings: Settings):

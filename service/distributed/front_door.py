@@ -31,7 +31,7 @@ import structlog
 from config import Settings
 from runtime.request import Request
 from runtime.request_builder import RequestBuilder, RequestLimits
-from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import load_tokenizer
 from service.bridge import StreamsInFlight
 from service.distributed import wire
@@ -52,26 +52,16 @@ class WorkerLost(RuntimeError):
     """A worker's stream broke or ended before its request did."""
 
 
-class RemoteModel:
-    """What the loop asks of an engine (service.bridge.ModelLike), for a model served by workers."""
+class RemoteModel(RequestBuilder):
+    """What the loop asks of an engine (service.bridge.ModelLike), for a model served by workers: the
+    checkpoint's tokenizer and the workers' limits, so requests are validated before they leave (the
+    worker checks again)."""
 
     def __init__(self, model_name: str, tokenizer, limits: RequestLimits) -> None:
+        super().__init__(tokenizer, limits)
         self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.limits = limits
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
-        self._builder = RequestBuilder(tokenizer, limits)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self._builder.tokenize(prompt)
-
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
-                        prompt_param: str = "prompt") -> Request:
-        """RequestBuilder.prepare_request against the workers' limits (they check again)."""
-        return self._builder.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, pin_id,
-                                             prompt_param)
 
 
 def sum_stats(per_worker: list[dict]) -> dict:
@@ -84,16 +74,14 @@ def sum_stats(per_worker: list[dict]) -> dict:
 class DynamoBridge(StreamsInFlight):
     """EngineBridge's interface, each request sent to the worker Dynamo picks (see the module docstring)."""
 
-    def __init__(self, runtime, endpoint, client, router, routing: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, runtime, client, router, routing: str, loop: asyncio.AbstractEventLoop) -> None:
         self._runtime = runtime
-        self._endpoint = endpoint
         self._client = client
         self._router = router  # KvRouter when routing == "kv", else None
         self.routing = routing
         self.loop = loop
         self.streams: dict[str, RequestStream] = {}
         self.stats: dict = sum_stats([])
-        self.worker_stats: dict[int, dict] = {}  # worker id -> its latest stats
         self.on_kv_events = None  # the workers publish their own KV events (to Dynamo)
         self._contexts: dict[str, object] = {}  # request id -> Dynamo Context (stop_generating cancels)
         self._tasks: set[asyncio.Task] = set()
@@ -134,7 +122,7 @@ class DynamoBridge(StreamsInFlight):
             router = core.KvRouter(endpoint, limits.block_size,
                                    core.KvRouterConfig(prefill_load_scale=dist.kv_prefill_load_scale))
         log.info("front door connected", workers=len(worker_ids), routing=dist.routing, model=model.model_name)
-        return cls(runtime, endpoint, client, router, dist.routing, loop), model
+        return cls(runtime, client, router, dist.routing, loop), model
 
     def start(self) -> None:
         self._poller = self.loop.create_task(self._poll())
@@ -362,8 +350,7 @@ class DynamoBridge(StreamsInFlight):
             del self._pinned_on[worker_id]
         results = await asyncio.gather(*(_call(self._client, wire.Stats(), w) for w in workers),
                                        return_exceptions=True)
-        self.worker_stats = {w: r for w, r in zip(workers, results) if isinstance(r, dict)}
-        self.stats = sum_stats(list(self.worker_stats.values()))
+        self.stats = sum_stats([r for r in results if isinstance(r, dict)])
         for worker_id in workers:
             missing = [call for pin_id, call in self._pins.items() if pin_id not in self._pinned_on.get(worker_id, ())]
             for call in missing:  # a worker that joined (or restarted) gets every pin

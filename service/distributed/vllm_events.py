@@ -31,6 +31,7 @@ import msgspec
 import structlog
 
 from runtime.kv_events import BlockRemoved, KVEvent, event_runs
+from service.distributed.dynamo_runtime import block_hash_i64
 
 log = structlog.get_logger(__name__)
 
@@ -66,8 +67,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def external_hash(block_hash: bytes) -> int:
-    """Our 32-byte hash as the unsigned 64-bit block id of vLLM's integer form."""
-    return int.from_bytes(block_hash[:8], "little")
+    """The block's 64-bit id (the one Dynamo's events carry), unsigned as vLLM's integer form is."""
+    return block_hash_i64(block_hash) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def vllm_events(events: list[KVEvent], block_size: int) -> list[StoredEvent | RemovedEvent]:

@@ -26,7 +26,7 @@ from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
 from service.distributed.kv_publisher import DynamoKvPublisher
-from service.metrics import ServiceMetrics
+from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -122,7 +122,7 @@ def _probe_app(bridge: EngineBridge, metrics: ServiceMetrics) -> web.Application
         return web.json_response(bridge.stats)
 
     async def render(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()
     app.router.add_get("/health", health)

@@ -212,6 +212,24 @@ def test_a_pin_is_placed_on_every_worker(cluster):
     assert len(view) == 3 and all(blocks > 0 for blocks in view.values()), view
 
 
+def _gauges(url: str) -> dict[str, str]:
+    """The vllm:* lines of a /metrics page: name{labels} -> value."""
+    text = requests.get(url + "/metrics", timeout=5).text
+    return dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("vllm:"))
+
+
+def test_workers_and_the_front_door_export_the_gauges_kubernetes_routers_read(cluster):
+    pinned = _all_stats(cluster)[0]["num_pinned_blocks"]  # the pin above holds pages: usage is above 0
+    worker = _gauges(cluster["workers"][0].url)
+    usage = float(next(v for k, v in worker.items() if k.startswith("vllm:kv_cache_usage_perc{")))
+    assert usage == pytest.approx(pinned / NUM_BLOCKS)
+    assert any(k.startswith("vllm:num_requests_running{") for k in worker)
+    assert any(k.startswith("vllm:num_requests_waiting{") for k in worker)
+    assert any(k.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="64"' in k for k in worker)
+    front = _gauges(cluster["front"].url)  # the front door sums its workers
+    assert any(k.startswith("vllm:cache_config_info{") and f'num_gpu_blocks="{3 * NUM_BLOCKS}"' in k for k in front)
+
+
 def test_a_client_that_disconnects_frees_the_workers_pages(cluster):
     front = cluster["front"]
     response, lines = _stream_lines(front, ACME, {"model": "stories260K", "prompt": "Once upon a time",
@@ -302,7 +320,7 @@ def test_a_worker_killed_mid_stream_ends_its_streams_and_traffic_moves_on(cluste
     assert "error" in json.loads(rest[-2]), rest[-2:]
     received += [json.loads(line) for line in rest[:-2]]
     answers = [_chat(front, GLOBEX, f"After the crash {i}") for i in range(4)]  # served by the two left
-    assert _idle(cluster) is not None or wait_until(lambda: _idle(cluster), what="the survivors idle")
+    wait_until(lambda: _idle(cluster), what="the survivors idle with their pages free")
     after = _usage(front, GLOBEX)
     assert after["requests"] - before["requests"] == 5
     delivered = sum(1 for chunk in received if chunk["choices"] and chunk["choices"][0]["text"])

@@ -90,7 +90,7 @@ DONE = wire.encode(wire.Done(16))
 
 def _run(client: FakeClient, router: FakeRouter, body):
     async def main():
-        bridge = DynamoBridge(FakeRuntime(), None, client, router, "kv", asyncio.get_running_loop())
+        bridge = DynamoBridge(FakeRuntime(), client, router, "kv", asyncio.get_running_loop())
         request = Request("r1", None, [1, 2, 3], SamplingParams(max_tokens=4), b"salt")
         stream = RequestStream("r1", 3)
         bridge.submit(stream, request)

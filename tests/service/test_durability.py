@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,52 +18,21 @@ import aiohttp
 import redis
 import requests
 
+from tests.processes import Process
 from tests.service.redis_fixture import free_port, own_redis_server  # noqa: F401
 
 NUM_CLIENTS = 12
 KILL_AFTER = 30  # answers received before the kill
 
 
-class ServerProcess:
+def start_server(model_dir: Path, data_dir: Path, redis_url: str | None = None) -> Process:
     """`python -m service.cli serve` on a free port, its log in the data folder."""
-
-    def __init__(self, model_dir: Path, data_dir: Path, redis_url: str | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--data-dir", str(data_dir), "--num-blocks", "256", "--max-num-seqs", "16"]
-        if redis_url:
-            args += ["--redis-url", redis_url]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_SERVER_LOG_JSON": "true"}
-        self.log = open(data_dir / f"server-{self.port}.log", "ab")
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                        cwd=Path(__file__).resolve().parents[2])
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the server was not ready within {timeout} s; see {self.log.name}")
-
-    def kill(self) -> None:
-        """SIGKILL (nothing is flushed on the way out); harmless once it is dead."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
-        self.log.close()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(30)
-        self.log.close()
+    port = free_port()
+    args = ["serve", "--model", str(model_dir), "--port", str(port), "--data-dir", str(data_dir),
+            "--num-blocks", "256", "--max-num-seqs", "16"]
+    if redis_url:
+        args += ["--redis-url", redis_url]
+    return Process(f"server-{port}", args, port, data_dir, {})
 
 
 def _body(client: int, turn: int) -> tuple[str, dict]:
@@ -104,7 +69,7 @@ async def _one(session: aiohttp.ClientSession, url: str, path: str, body: dict) 
         return None  # the connection ended before [DONE]
 
 
-async def _load_until_killed(server: ServerProcess) -> list[dict]:
+async def _load_until_killed(server: Process) -> list[dict]:
     received: list[dict] = []
     killed = asyncio.Event()
 
@@ -132,7 +97,7 @@ async def _load_until_killed(server: ServerProcess) -> list[dict]:
     return received
 
 
-def _usage_after_replay(server: ServerProcess) -> dict:
+def _usage_after_replay(server: Process) -> dict:
     deadline = time.monotonic() + 30
     while True:
         totals = requests.get(server.url + "/v1/usage", timeout=10).json()
@@ -149,14 +114,14 @@ def _check_totals(totals: dict, received: list[dict]) -> None:
 
 
 def test_kill_9_mid_load_loses_no_answered_request_sqlite(stories_dir, tmp_path):
-    server = ServerProcess(stories_dir, tmp_path)
+    server = start_server(stories_dir, tmp_path)
     try:
         server.wait_ready()
         received = asyncio.run(_load_until_killed(server))
     finally:
         server.kill()
     assert len(received) >= KILL_AFTER and len({a["id"] for a in received}) == len(received)
-    restarted = ServerProcess(stories_dir, tmp_path)
+    restarted = start_server(stories_dir, tmp_path)
     try:
         restarted.wait_ready()
         totals = _usage_after_replay(restarted)
@@ -174,14 +139,14 @@ def test_kill_9_mid_load_loses_no_answered_request_sqlite(stories_dir, tmp_path)
 
 
 def test_kill_9_mid_load_loses_no_answered_request_redis(stories_dir, tmp_path, own_redis_server):  # noqa: F811
-    server = ServerProcess(stories_dir, tmp_path, own_redis_server.url)
+    server = start_server(stories_dir, tmp_path, own_redis_server.url)
     try:
         server.wait_ready()
         received = asyncio.run(_load_until_killed(server))
     finally:
         server.kill()
     assert len(received) >= KILL_AFTER
-    restarted = ServerProcess(stories_dir, tmp_path, own_redis_server.url)
+    restarted = start_server(stories_dir, tmp_path, own_redis_server.url)
     try:
         restarted.wait_ready()
         totals = _usage_after_replay(restarted)

@@ -38,12 +38,16 @@ log = structlog.get_logger(__name__)
 
 
 
-class Engine:
-    """A paged-KV inference engine for one Llama-family model (vLLM's LLM/LLMEngine shape)."""
+class Engine(RequestBuilder):
+    """A paged-KV inference engine for one Llama-family model (vLLM's LLM/LLMEngine shape).
+
+    Requests are validated once, by the RequestBuilder part (`tokenize`, `prepare_request`:
+    it reads only what never changes after start, so the service calls it on its event loop),
+    then queued by `add`.
+    """
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, settings: EngineSettings, model_name: str) -> None:
         self.model_config: ModelConfig = model.config
-        self.tokenizer = tokenizer
         self.settings = settings
         self.model_name = model_name
         config = self.model_config
@@ -56,9 +60,8 @@ class Engine:
         self.num_schedulable_blocks = self.num_blocks - self.pinned_block_budget
         self.max_model_len = min(settings.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
-        self.limits = RequestLimits(config.vocab_size, self.block_size, self.max_model_len, settings.max_num_seqs,
-                                    self.num_schedulable_blocks)
-        self.builder = RequestBuilder(tokenizer, self.limits)
+        RequestBuilder.__init__(self, tokenizer, RequestLimits(config.vocab_size, self.block_size, self.max_model_len,
+                                                               settings.max_num_seqs, self.num_schedulable_blocks))
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
@@ -101,33 +104,7 @@ class Engine:
         net = load_model(config, model_dir, device, dtype, show_progress=show_progress)
         return cls(net, HFTokenizer(model_dir), settings, model_dir.name)
 
-    # --- requests: validated once (prepare_request), then queued (add) ----------------
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through.
-
-        Encoding only; `prepare_request` checks the ids.
-        """
-        return self.builder.tokenize(prompt)
-
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        cache_salt: str | bytes | None = None,
-        shared_prefix_len: int = 0,
-        pin_id: str | None = None,
-        prompt_param: str = "prompt",
-    ) -> Request:
-        """Validate a request once and build it (`RequestBuilder.prepare_request`); `add` then queues it.
-
-        Reads only what never changes after start (tokenizer, vocabulary, context and pool
-        sizes), so the service calls it on its event loop and gets the error before anything
-        is queued.
-        """
-        return self.builder.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, pin_id,
-                                            prompt_param)
+    # --- requests: validated once (prepare_request, from RequestBuilder), then queued (add) ---
 
     def add(self, request: Request) -> None:
         """Queue a request made by `prepare_request`; it joins the batch at the next step with room.

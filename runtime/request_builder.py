@@ -1,7 +1,7 @@
 """The one validation of a caller's request, from what never changes after start.
 
-An engine holds one (`Engine.prepare_request`); a front door that routes to remote workers
-builds one from a worker's limits, so a bad request gets the same error before it crosses
+The engine is one (`Engine` subclasses it); a front door that routes to remote workers
+builds one from a worker's limits (`RemoteModel`), so a bad request gets the same error before it crosses
 the network.
 """
 

@@ -50,6 +50,9 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+
+
 class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The HTTP side: where it listens, what it serves, how much it queues."""
 
@@ -69,6 +72,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     usage_write_timeout_s: float = 10.0  # ... this long at most (then 503; the record stays queued)
     cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
+    tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls: hermes, llama3_json, auto (from the template)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,6 +83,9 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.max_queued_requests must be >= 0")
         if self.usage_write_timeout_s <= 0:
             raise ConfigError("server.usage_write_timeout_s must be > 0")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"server.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
 
 
 ROUTERS = ("embedded", "dynamo")

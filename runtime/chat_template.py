@@ -1,11 +1,13 @@
 """Chat messages -> prompt text, through the checkpoint's Jinja template or a plain fallback.
 
 The fallback (for models that ship no template, like stories260K) writes each message as a
-`role: content` line and ends with `assistant:`.
+`role: content` line (an assistant's tool calls after it, in Hermes' `<tool_call>` form) and
+ends with `assistant:`.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import jinja2
@@ -15,8 +17,16 @@ from runtime.sampling_params import InvalidRequestError
 
 
 def fallback_chat_prompt(messages: list[dict]) -> str:
-    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+    lines = [f"{m['role']}: {m.get('content') or ''}{_calls_text(m)}" for m in messages]
     return "\n".join(lines + ["assistant:"])
+
+
+def _calls_text(message: dict) -> str:
+    """An assistant's earlier tool calls, in Hermes' format (what the fallback asks tools to be called in)."""
+    calls = message.get("tool_calls") or []
+    return "".join(
+        "<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        + "</tool_call>" for c in calls)
 
 
 def _raise(message: str):
@@ -41,8 +51,9 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         return self._template is None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (each a dict with role and content)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (each a dict with role and content); `tools` (OpenAI's tool
+        objects) go to the template as `tools`, as Hugging Face templates expect them."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise InvalidRequestError(f"messages[{i}] must be an object with a role", param="messages")
@@ -51,6 +62,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -60,17 +60,18 @@ class Engine(RequestBuilder):
         self.num_schedulable_blocks = self.num_blocks - self.pinned_block_budget
         self.max_model_len = min(settings.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
+        eos = set(config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
         RequestBuilder.__init__(self, tokenizer, RequestLimits(config.vocab_size, self.block_size, self.max_model_len,
-                                                               settings.max_num_seqs, self.num_schedulable_blocks))
+                                                               settings.max_num_seqs, self.num_schedulable_blocks,
+                                                               tuple(sorted(eos))))
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
-        eos = set(config.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step (aborted; max_tokens=0): the next step reports them
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
@@ -254,6 +255,14 @@ class Engine(RequestBuilder):
             stop_string = seq.detokenizer.append(token_id)
             if stop_string is not None:
                 reason, stop_reason = "stop", stop_string
+        grammar = seq.grammar
+        if grammar is not None and reason is None:
+            if not grammar.accept(token_id):  # the mask allowed it, so the grammar engine is at fault: end cleanly
+                log.warning("grammar refused a sampled token; ending the sequence", seq_id=seq.seq_id,
+                            token_id=token_id, error=grammar.error)
+                reason = "stop"
+            elif grammar.is_stopped:  # complete, and nothing may follow
+                reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:

@@ -36,6 +36,7 @@ class Request:
         cache_salt: bytes | None,
         num_shared_blocks: int = 0,
         pin_id: str | None = None,
+        grammar=None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -44,6 +45,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_shared_blocks = num_shared_blocks  # leading blocks hashed without the salt (shared prefix)
         self.pin_id = pin_id  # set for a pinned-prefix prefill: its full pages stay held when it ends
+        self.grammar = grammar  # grammar.CompiledGrammar of params.structured_outputs, compiled before queueing
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
         self.sequences: list[Sequence] = []
         self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then
@@ -75,6 +77,9 @@ class Sequence:
         self.generator = self._make_generator(request.params.seed, index)
         self.num_emitted_tokens = 0  # output tokens already reported by step()
         self.penalty_counts = None  # sampler.PenaltyCounts, made on the first penalised step
+        # grammar.GrammarMatcher: where this sample is in its grammar. Preemption keeps it: the
+        # tokens are kept too, so the matcher stays in step with them
+        self.grammar = request.grammar.new_matcher() if request.grammar is not None and index == 0 else None
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token (and count it for penalties, if they are being counted)."""
@@ -116,6 +121,8 @@ class Sequence:
         child.status = self.status
         if self.penalty_counts is not None:
             child.penalty_counts = self.penalty_counts.copy()
+        if self.grammar is not None:
+            child.grammar = self.grammar.copy()
         return child
 
     def __repr__(self) -> str:

@@ -7,8 +7,10 @@ the network.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from runtime.grammar import CompiledGrammar, GrammarCompiler
 from runtime.request import Request
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 
@@ -22,6 +24,7 @@ class RequestLimits:
     max_model_len: int
     max_num_seqs: int
     num_schedulable_blocks: int  # pages one request may use: the pool less the pin budget
+    eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's end tokens (grammars end on them)
 
 
 class RequestBuilder:
@@ -30,6 +33,11 @@ class RequestBuilder:
     def __init__(self, tokenizer, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this tokenizer (its vocabulary index is built by the first compile)."""
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, list(self.limits.eos_token_ids))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through."""
@@ -44,6 +52,7 @@ class RequestBuilder:
         shared_prefix_len: int = 0,
         pin_id: str | None = None,
         prompt_param: str = "prompt",
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Validate a request once and build it.
 
@@ -54,6 +63,10 @@ class RequestBuilder:
         `cache_salt` separates prefix-cache chains (a tenant's). The first
         `shared_prefix_len` tokens, if an operator marked them as shared across tenants,
         are cached without the salt (whole blocks only).
+
+        A constrained request (params.structured_outputs) takes its `grammar` compiled already
+        (the service compiles off the event loop); without one it is compiled here. A
+        constraint that does not compile raises InvalidRequestError naming its field.
         """
         limits = self.limits
         params = params or SamplingParams()
@@ -67,9 +80,14 @@ class RequestBuilder:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param=prompt_param)
         self.check_fits(len(token_ids), params, prompt_param)
+        if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
-                       num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id)
+                       num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id,
+                       grammar=grammar if params.structured_outputs is not None else None)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""

@@ -1,7 +1,8 @@
 """Pick each sequence's next token from its logits row.
 
-Order per row: logprobs of the raw distribution (when asked) -> penalties -> greedy argmax,
-or temperature -> top_k -> top_p -> min_p -> a draw. The draw for a seeded sequence uses
+Order per row: logprobs of the raw distribution (when asked) -> logit_bias -> the grammar's
+token mask (constrained rows only) -> penalties -> greedy argmax, or temperature -> top_k ->
+top_p -> min_p -> a draw. The draw for a seeded sequence uses
 only that sequence's own generator (one draw per token), so its output does not depend
 on what else is in the batch.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.token_mask import apply_token_bitmask
 from runtime.request import Sequence
 
 
@@ -84,6 +86,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for sequences without a seed
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # int32 [rows, ceil(vocab / 32)], grown as needed
 
     def __call__(
         self, logits: torch.Tensor, seqs: SequenceOf[Sequence]  # logits: float32 [num_seqs, vocab]
@@ -91,6 +94,13 @@ class Sampler:
         logits = logits.float().cpu()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
+        for i, seq in enumerate(seqs):
+            if seq.params.logit_bias:
+                bias = seq.params.logit_bias
+                logits[i, torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()))
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            self._mask(logits, seqs, constrained)
         all_greedy = all(s.params.is_greedy and not s.params.has_penalties for s in seqs)
         if all_greedy:
             token_ids = logits.argmax(dim=-1).tolist()
@@ -101,6 +111,16 @@ class Sampler:
             for i, seq in enumerate(seqs)
         ]
         return token_ids, token_logprobs
+
+    def _mask(self, logits: torch.Tensor, seqs: SequenceOf[Sequence], rows: list[int]) -> None:
+        """Each constrained row's grammar fills its bitmask row; one kernel call applies them all."""
+        words = -(-logits.shape[1] // 32)
+        if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty(max(len(rows), self._bitmask.shape[0]), words, dtype=torch.int32)
+        bitmask = self._bitmask[: len(rows)]
+        for j, i in enumerate(rows):
+            seqs[i].grammar.fill_bitmask(bitmask, j)
+        apply_token_bitmask(logits, bitmask, rows)
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         params = seq.params

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.errors import InvalidRequestError
+from runtime.structured_outputs import StructuredOutputs
 
-class InvalidRequestError(ValueError):
-    """Bad input from a caller; `param` names the offending field for the error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+__all__ = ["GREEDY_TEMPERATURE", "MAX_N", "InvalidRequestError", "SamplingParams", "StructuredOutputs"]
 
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
 MAX_N = 128  # samples per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 
 
 @dataclass
@@ -39,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    structured_outputs: StructuredOutputs | None = None  # the output's grammar, if constrained
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,10 +75,20 @@ class SamplingParams:
             bad("stop_token_ids", "must hold non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    bad("logit_bias", f"keys must be token ids (integers >= 0), got {token_id!r}")
+                if not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    bad("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= GREEDY_TEMPERATURE
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

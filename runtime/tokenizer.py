@@ -48,6 +48,10 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine indexes)."""
+        return self._tokenizer.to_str()
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
@@ -61,9 +65,10 @@ class HFTokenizer:
                 return None
         return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of the chat prompt; a real template carries its own special tokens."""
-        text = self.chat_template.render(messages, add_generation_prompt)
+        text = self.chat_template.render(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=self.chat_template.is_fallback)
 
 
@@ -101,8 +106,9 @@ class ByteTokenizer:
         text.append(data.decode("utf-8", errors="replace"))
         return "".join(text)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=True)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools), add_special_tokens=True)
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:

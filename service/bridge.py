@@ -33,6 +33,7 @@ from typing import Protocol
 import structlog
 
 from runtime.chat_template import ChatTemplate
+from runtime.grammar import CompiledGrammar, GrammarCompiler
 from runtime.kv_events import KVEvent
 from runtime.outputs import RequestOutput
 from runtime.request import Request
@@ -55,7 +56,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def raw_byte(self, token_id: int) -> int | None: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]: ...
 
 
 class ModelLike(Protocol):
@@ -69,11 +71,12 @@ class ModelLike(Protocol):
     max_model_len: int
     block_size: int
     limits: RequestLimits  # the sizes requests are checked against (max_num_seqs sets admission too)
+    grammars: GrammarCompiler  # structured outputs, compiled off the loop (ServiceState.compile_grammar)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
-                        prompt_param: str = "prompt") -> Request: ...
+                        prompt_param: str = "prompt", grammar: CompiledGrammar | None = None) -> Request: ...
 
 
 class EngineLike(ModelLike, Protocol):

@@ -46,7 +46,8 @@ def _settings(args: argparse.Namespace):
     server = {"model": args.model, "host": args.host, "port": args.port, "served_model_name": args.served_model_name}
     distributed = {"discovery_dir": args.discovery_dir, "namespace": args.namespace}
     if args.command == "serve":
-        server.update(tenants_file=args.tenants, redis_url=args.redis_url, data_dir=args.data_dir)
+        server.update(tenants_file=args.tenants, redis_url=args.redis_url, data_dir=args.data_dir,
+                      tool_call_parser=args.tool_call_parser)
         distributed.update(router=args.router, routing=args.routing)
     else:
         distributed.update(kv_events_endpoint=args.kv_events_endpoint,
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="embedded: run the engine here (default); dynamo: send requests to workers")
     srv.add_argument("--routing", choices=["kv", "round_robin", "random"], default=None,
                      help="with --router dynamo: Dynamo's KV-aware router (default), or round robin, or random")
+    srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=None,
+                     help="how tool_choice auto reads calls from the output (default: auto, from the chat template)")
     srv.set_defaults(func=_serve)
 
     wrk = commands.add_parser("worker", help="run the engine as a Dynamo worker (behind `serve --router dynamo`)")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from config import Settings
+from runtime.grammar import CompiledGrammar
+from runtime.structured_outputs import StructuredOutputs
 from service.billing.journal import UsageJournal
 from service.billing.ledger import Ledger
 from service.bridge import Bridge, ModelLike, Tokenizer
@@ -48,6 +50,19 @@ class ServiceState:
     def authenticate(self, request: web.Request) -> Tenant:
         """The caller's tenant from `Authorization: Bearer`, or 401."""
         return self.tenants.authenticate(request.headers.get("Authorization"))
+
+    async def compile_grammar(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
+        """The compiled grammar of an output constraint: from the cache, else compiled on a worker thread.
+
+        Raises InvalidRequestError (a 400 naming the constraint's field) if it cannot compile.
+        """
+        if spec is None:
+            return None
+        compiler = self.engine.grammars
+        compiled = compiler.cached(spec)
+        if compiled is None:
+            compiled = await asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
+        return compiled
 
     def encode_prefix(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -10,7 +10,9 @@ from aiohttp import web
 from service.errors import APIError, from_exception
 from service.api.formatting import ChatFormat, CompletionFormat
 from service.api.generation import ChoiceAccumulator, Generation, new_request_id
+from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
+from service.api.tools import hermes_system_prompt, plan_tools
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -18,20 +20,32 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
                "X-Accel-Buffering": "no"}
 
 
-def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant) -> Generation:
-    """Validate a chat body and build its Generation (not admitted, not started)."""
+async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant) -> Generation:
+    """Validate a chat body and build its Generation (not admitted, not started).
+
+    Its tools (service/api/tools.py) go into the prompt and may constrain the output; the
+    output's grammar is compiled here, off the event loop, before anything is queued.
+    """
     state.check_model(body.model)
-    prompt = state.tokenizer.apply_chat_template(body.message_dicts())
+    template = state.tokenizer.chat_template
+    plan = plan_tools(body, template.source, state.settings.server.tool_call_parser)
+    messages = body.message_dicts()
+    if plan is not None and template.is_fallback:  # no template to show the tools: a system message does
+        messages = [{"role": "system", "content": hermes_system_prompt(plan.tools)}, *messages]
+    prompt = state.tokenizer.apply_chat_template(messages, tools=plan.tools if plan is not None else None)
+    constraint = (plan.constraint() if plan is not None else None) or body.output_constraint()
+    grammar = await state.compile_grammar(constraint)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top)
-    return Generation(state, body, [prompt], fmt, tenant)
+    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
+                     tool_plan=plan if plan is not None and plan.choice != "none" else None)
+    return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.authenticate(request)
     body = decode_body(await request.read(), ChatCompletionRequest)
-    return await _respond(request, chat_generation(state, body, tenant))
+    return await _respond(request, await chat_generation(state, body, tenant))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -40,8 +54,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = decode_body(await request.read(), CompletionRequest)
     state.check_model(body.model)
     prompts = [state.engine.tokenize(p) for p in body.prompts()]
-    fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs)
-    return await _respond(request, Generation(state, body, prompts, fmt, tenant))
+    constraint = body.output_constraint()
+    grammar = await state.compile_grammar(constraint)
+    echo_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
+    fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs,
+                           echo_texts=echo_texts, n=body.n)
+    return await _respond(request, Generation(state, body, prompts, fmt, tenant, constraint, grammar))
 
 
 async def _respond(request: web.Request, generation: Generation) -> web.StreamResponse:
@@ -63,7 +81,12 @@ async def _whole_response(generation: Generation) -> web.Response:
     fmt = generation.fmt
     choices = [fmt.final_choice(i, whole) for i, whole in sorted(acc.choices.items())]
     await generation.usage_recorded()  # the answer goes out only once its bill is on disk
-    return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json")
+    return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json",
+                        headers=_ignored_header(generation))
+
+
+def _ignored_header(generation: Generation) -> dict[str, str]:
+    return {IGNORED_HEADER: ", ".join(generation.ignored_fields)} if generation.ignored_fields else {}
 
 
 def _event(obj) -> bytes:
@@ -75,7 +98,7 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
 
     One write per wake-up: whatever every choice gained since the last one, merged.
     """
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **_ignored_header(generation)})
     await response.prepare(request)
     fmt = generation.fmt
     include_usage = generation.body.include_usage

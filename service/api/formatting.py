@@ -88,8 +88,28 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
+    """Chat bodies; with a ToolPlan, each choice's text goes through its tool call parser."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, tool_plan=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_plan = tool_plan  # service.api.tools.ToolPlan, or None: the text is the content
+        self._parsers: dict = {}  # choice index -> its tool_parsers.ToolCallParser, while streaming
+
+    def _message(self, parser, text: str, finish_reason: str | None, message: dict) -> str | None:
+        """Put the content and tool calls parsed from `text` into `message`; the choice's finish reason."""
+        content, calls = parser.feed(text)
+        if finish_reason is not None:
+            tail, more = parser.finish()
+            content, calls = content + tail, calls + more
+        if self.tool_plan.choice in ("required", "function"):
+            content = None  # the output is the calls
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        return self.tool_plan.finish_reason(finish_reason, len(parser.calls))
 
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
         if self.num_top_logprobs is None:
@@ -108,21 +128,42 @@ class ChatFormat(ResponseFormat):
 
     def delta_choice(self, index: int, delta: ChoiceDelta, first: bool) -> dict:
         message = {"role": "assistant", "content": delta.text, "refusal": None} if first else {"content": delta.text}
+        finish_reason = delta.finish_reason
+        if self.tool_plan is not None:
+            parser = self._parsers.get(index)
+            if parser is None:
+                parser = self._parsers[index] = self.tool_plan.new_parser()
+            finish_reason = self._message(parser, delta.text, finish_reason, message)
         return {"index": index, "delta": message, "logprobs": self.logprobs(delta.logprobs),
-                "finish_reason": delta.finish_reason}
+                "finish_reason": finish_reason}
 
     def final_choice(self, index: int, whole: ChoiceDelta) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": whole.text, "refusal": None},
-                "logprobs": self.logprobs(whole.logprobs), "finish_reason": whole.finish_reason}
+        message = {"role": "assistant", "content": whole.text, "refusal": None}
+        finish_reason = whole.finish_reason
+        if self.tool_plan is not None:
+            parser = self.tool_plan.new_parser()
+            finish_reason = self._message(parser, whole.text, finish_reason or "stop", message)
+            if "tool_calls" in message:
+                message["tool_calls"] = parser.calls  # whole calls, not deltas
+            finish_reason = self.tool_plan.finish_reason(whole.finish_reason, len(parser.calls))
+        return {"index": index, "message": message, "logprobs": self.logprobs(whole.logprobs),
+                "finish_reason": finish_reason}
 
 
 class CompletionFormat(ResponseFormat):
+    """Text completion bodies; with `echo_texts` (one per prompt) each choice's text starts with its prompt."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, echo_texts: list[str] | None = None, n: int = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # choice index -> characters of its text covered so far
+        self.echo_texts = echo_texts
+        self.n = n  # choices per prompt: choice index // n is its prompt
+
+    def _echo(self, index: int) -> str:
+        return self.echo_texts[index // self.n] if self.echo_texts else ""
 
     def logprobs(self, index: int, tokens: list[TokenLogprob]) -> dict | None:
         """Choice `index`'s logprobs for these tokens; offsets go on from its earlier chunks."""
@@ -143,9 +184,10 @@ class CompletionFormat(ResponseFormat):
         }
 
     def delta_choice(self, index: int, delta: ChoiceDelta, first: bool) -> dict:
-        return {"index": index, "text": delta.text, "logprobs": self.logprobs(index, delta.logprobs),
+        text = self._echo(index) + delta.text if first else delta.text
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, delta.logprobs),
                 "finish_reason": delta.finish_reason}
 
     def final_choice(self, index: int, whole: ChoiceDelta) -> dict:
-        return {"index": index, "text": whole.text, "logprobs": self.logprobs(index, whole.logprobs),
+        return {"index": index, "text": self._echo(index) + whole.text, "logprobs": self.logprobs(index, whole.logprobs),
                 "finish_reason": whole.finish_reason}

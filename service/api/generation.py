@@ -15,9 +15,12 @@ import structlog
 
 from redis.exceptions import RedisError
 
+from runtime.grammar import CompiledGrammar
 from runtime.request import Request
+from runtime.structured_outputs import StructuredOutputs
 from service.errors import APIError
 from service.api.formatting import ResponseFormat, usage_dict
+from service.api.openai_fields import ignored_fields
 from service.rate_limit import RateLimitExceeded
 from service.tenants import Tenant
 from service.billing.usage import UsageRecord, cost_pico_usd
@@ -36,7 +39,8 @@ class Generation:
     """Prompts -> engine requests -> merged deltas, numbered as OpenAI choices."""
 
     def __init__(self, state: ServiceState, body: SamplingFields, prompts: list[list[int]], fmt: ResponseFormat,
-                 tenant: Tenant) -> None:
+                 tenant: Tenant, constraint: StructuredOutputs | None = None,
+                 grammar: CompiledGrammar | None = None) -> None:
         self.state = state
         self.body = body
         self.fmt = fmt
@@ -47,10 +51,10 @@ class Generation:
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
         self.requests: list[Request] = []  # validated here, once; the engine queues them as they are
         for request_id, token_ids in zip(ids, prompts):
-            params = body.sampling_params(len(token_ids), state.engine.max_model_len)
+            params = body.sampling_params(len(token_ids), state.engine.max_model_len, constraint)
             shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix, body.prompt_cache_key)
             self.requests.append(state.engine.prepare_request(request_id, token_ids, params, cache_salt, shared,
-                                                              prompt_param=body.prompt_param))
+                                                              prompt_param=body.prompt_param, grammar=grammar))
         self.wakeup = asyncio.Event()
         self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
         for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes
@@ -61,6 +65,7 @@ class Generation:
         self._recorded: asyncio.Future | None = None  # finish()'s: done once the usage records are on disk
         self._finishing = False
         self.num_sequences = len(prompts) * self.n
+        self.ignored_fields = ignored_fields(body, body.fields_table)  # named in a header and the summary line
 
     async def admit(self) -> None:
         """Server capacity (503/429), then the tenant's limits (429 naming the limit).
@@ -166,6 +171,9 @@ class Generation:
             completion_tokens=usage["completion_tokens"],
             ttft_s=None if first.ttft is None else round(first.ttft, 4), total_s=round(elapsed, 4),
             finish_reasons=[r for s in self.streams for r in s.finish_reasons],
+            **({"ignored_fields": self.ignored_fields} if self.ignored_fields else {}),
+            **({"user": self.body.user} if self.body.user else {}),
+            **({"safety_identifier": sid} if (sid := getattr(self.body, "safety_identifier", None)) else {}),
         )
         self._recorded = on_disk[0] if len(on_disk) == 1 else asyncio.gather(*on_disk)
         self._recorded.add_done_callback(self._note_unrecorded)

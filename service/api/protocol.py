@@ -2,39 +2,150 @@
 
 Unknown fields are rejected by name; types are strict (no "5" for 5), with two allowances
 OpenAI's own spec makes: `null` in an optional field means its default, and a whole number
-sent as a float (`"seed": 7.0`) is that integer (`7.5` is still a 400). vLLM's extra
-sampling fields (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are accepted.
+sent as a float (`"seed": 7.0`) is that integer (`7.5` is still a 400). Every official field
+has an answer (service/api/openai_fields.py: supported, accepted and ignored, or a 400 naming
+it). vLLM's extra fields are accepted: sampling (top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids, include_stop_str_in_output) and structured outputs (structured_outputs,
+guided_json, guided_regex, guided_choice, guided_grammar).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
+from service.api.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, REFUSED
 
 MAX_STOP_STRINGS = 4
+NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema and function names
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted, ignored (openai_fields)
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
-    text: str
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """A message content part; only text (and an assistant's refusal) can reach a text model."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: Any = None  # 400 (openai_fields.MESSAGE_FIELDS)
+    function_call: Any = None  # 400
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def text(self, where: str) -> str:
+        if not isinstance(self.content, list):
+            return self.content or ""
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type == "text" and part.text is not None:
+                pieces.append(part.text)
+            elif part.type == "refusal" and self.role == "assistant" and part.refusal is not None:
+                pieces.append(part.refusal)
+            else:
+                raise InvalidRequestError(f"content parts of type {part.type!r} cannot be read: this model takes text",
+                                          param=f"{where}.content[{j}].type")
+        return "".join(pieces)
+
+    def as_dict(self, where: str) -> dict:
+        """The message as a chat template reads it (tool call arguments as objects where they parse)."""
+        for field in ("audio", "function_call"):
+            if getattr(self, field) is not None:
+                raise InvalidRequestError(f"{field} in a message is not supported", param=f"{where}.{field}")
+        if self.role == "function":
+            raise InvalidRequestError("role \"function\" is deprecated: send role \"tool\" with tool_call_id",
+                                      param=f"{where}.role")
+        message: dict[str, Any] = {"role": self.role, "content": self.text(where)}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError("only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                               "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise InvalidRequestError("a tool message needs tool_call_id", param=f"{where}.tool_call_id")
+            message["tool_call_id"] = self.tool_call_id
+        if self.refusal is not None:
+            message["refusal"] = self.refusal
+        return message
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as the object they encode (what chat templates expect), else the text."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True, param="response_format")
+        spec = self.json_schema
+        if spec is None:
+            raise InvalidRequestError("response_format json_schema needs a json_schema object",
+                                      param="response_format.json_schema")
+        if not NAME_PATTERN.match(spec.name):
+            raise InvalidRequestError("json_schema.name must be 1-64 letters, digits, _ or -",
+                                      param="response_format.json_schema.name")
+        if spec.schema is None:
+            return StructuredOutputs(json_object=True, param="response_format.json_schema.schema")
+        return StructuredOutputs(json=spec.schema, param="response_format.json_schema.schema")
+
+
+class VllmStructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` body field."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -67,8 +178,22 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # that an operator marked as shared selects that shared prefix
     cache_salt: str | None = None
     prompt_cache_key: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format; vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: VllmStructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's backend choice: one engine here (llguidance), ignored
+
+    fields_table: ClassVar[dict] = {}
 
     def __post_init__(self) -> None:
+        for name, (answer, why) in self.fields_table.items():
+            if answer == REFUSED and getattr(self, name, None) is not None:
+                raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
         self.n = 1 if self.n is None else self.n
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
@@ -84,8 +209,43 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def requested_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """SamplingParams for this body; max_tokens defaults to the rest of the context."""
+    def output_constraint(self) -> StructuredOutputs | None:
+        """The output's constraint from response_format, structured_outputs or guided_* (at most one)."""
+        given: list[StructuredOutputs] = []
+        if self.response_format is not None:
+            spec = self.response_format.structured_outputs()
+            if spec is not None:
+                given.append(spec)
+        if self.structured_outputs is not None:
+            fields = msgspec.structs.asdict(self.structured_outputs)
+            fields["json_object"] = bool(fields["json_object"])
+            given.append(StructuredOutputs(**fields, param="structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append(StructuredOutputs(**{kind: value}, param=name))
+        if len(given) > 1:
+            raise InvalidRequestError("give one output constraint: " + ", ".join(g.param for g in given),
+                                      param=given[1].param)
+        return given[0] if given else None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                        constraint: StructuredOutputs | None = None) -> SamplingParams:
+        """SamplingParams for this body; max_tokens defaults to the rest of the context.
+
+        `constraint` is the output's grammar (output_constraint(), or the tool plan's).
+        """
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -98,7 +258,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "logprobs": self.requested_logprobs(),
+            "logprobs": self.requested_logprobs(), "logit_bias": self.token_logit_bias(),
+            "structured_outputs": constraint,
         }
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
@@ -107,18 +268,61 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
 
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; absent: no arguments
+    strict: bool | None = None  # arguments always match the schema when constrained; accepted either way
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDefinition | None = None
+    custom: Any = None
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionName | None = None
+
+
 class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
     integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "max_completion_tokens", "top_logprobs")
     prompt_param: ClassVar[str] = "messages"
+    fields_table: ClassVar[dict] = CHAT_FIELDS
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    safety_identifier: str | None = None
+    # accepted and ignored (openai_fields.CHAT_FIELDS says why)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_retention: str | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # a 400 naming them
+    audio: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.logprobs = bool(self.logprobs)
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise InvalidRequestError("this model writes text only: modalities must be [\"text\"]", param="modalities")
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -133,30 +337,37 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     def message_dicts(self) -> list[dict]:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+        return [m.as_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
-    integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "logprobs")
+    integer_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.integer_fields, "logprobs", "best_of")
+    fields_table: ClassVar[dict] = COMPLETION_FIELDS
 
     prompt: str | list[Any] | None = None  # null or absent: an empty document (the BOS token alone)
     max_tokens: int | None = 16  # OpenAI's default for completions (chat: the rest of the context)
     logprobs: int | None = None
     echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None  # a 400 (openai_fields.COMPLETION_FIELDS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.prompt = "" if self.prompt is None else self.prompt
         self.max_tokens = 16 if self.max_tokens is None else self.max_tokens
         self.echo = bool(self.echo)
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs needs prompt logprobs, which this server does not compute",
+                                      param="echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of must equal n ({self.n}): choosing the best of more samples is "
+                                      "not supported", param="best_of")
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list: one string, strings, one token list, or token lists (whole floats are ints)."""
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
         prompt = self.prompt
         if isinstance(prompt, list):
             prompt = [[_whole(t) for t in p] if isinstance(p, list) else _whole(p) for p in prompt]

@@ -3,7 +3,7 @@
 client -> {"type": "request", "id": "r1", "body": {...chat completion body...}}
 client -> {"type": "cancel", "id": "r1"}
 server -> {"type": "chunk", "id": "r1", "completion_id": "chatcmpl-...", ...other chunk fields...}
-server -> {"type": "done", "id": "r1", "usage": {...}, "finish_reasons": [...]}
+server -> {"type": "done", "id": "r1", "usage": {...}, "finish_reasons": [...], ["ignored_fields": [...]]}
 server -> {"type": "error", "id": "r1" | null, "error": {...}}
 
 A cancel ends that request (its usage so far comes in its "done"); closing the socket
@@ -95,7 +95,7 @@ class Socket:
         generation = None
         try:
             body = decode_body(raw_body, ChatCompletionRequest)
-            generation = chat_generation(self.state, body, self.tenant)
+            generation = await chat_generation(self.state, body, self.tenant)
             await generation.admit()
             generation.start()
             fmt = generation.fmt
@@ -133,7 +133,10 @@ class Socket:
             await self.error(request_id, exc)
             return
         reasons = [r for s in generation.streams for r in s.finish_reasons]
-        await self.send({"type": "done", "id": request_id, "usage": generation.usage(), "finish_reasons": reasons})
+        done = {"type": "done", "id": request_id, "usage": generation.usage(), "finish_reasons": reasons}
+        if generation.ignored_fields:
+            done["ignored_fields"] = generation.ignored_fields
+        await self.send(done)
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())

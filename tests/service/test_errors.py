@@ -43,7 +43,10 @@ def test_bad_json_is_400(server):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"frequency": 1}, "frequency"),  # unknown fields stay 400
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -73,6 +73,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
     tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls: hermes, llama3_json, auto (from the template)
+    max_tool_calls: int = 16  # calls in one constrained answer (tool_choice "required" with parallel calls)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -83,6 +84,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.max_queued_requests must be >= 0")
         if self.usage_write_timeout_s <= 0:
             raise ConfigError("server.usage_write_timeout_s must be > 0")
+        if self.max_tool_calls < 1:
+            raise ConfigError("server.max_tool_calls must be >= 1")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"server.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")

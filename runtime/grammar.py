@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+import llguidance.gbnf_to_lark
 import llguidance.torch
 import structlog
 import torch
@@ -115,8 +116,8 @@ def grammar_source(spec: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
     if "::=" in value:  # GBNF, as llama.cpp and xgrammar (vLLM's default) take it
         try:
-            value = llguidance.gbnf_to_lark(value)
-        except Exception as exc:  # the converter raises plain exceptions on bad input
+            value = llguidance.gbnf_to_lark.gbnf_to_lark(value)
+        except Exception as exc:  # the converter raises its own error or plain ones on bad input
             raise InvalidRequestError(f"the GBNF grammar cannot be read: {exc}", param=spec.param) from exc
     return llguidance.LLMatcher.grammar_from_lark(value)
 

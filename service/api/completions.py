@@ -28,7 +28,8 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     """
     state.check_model(body.model)
     template = state.tokenizer.chat_template
-    plan = plan_tools(body, template.source, state.settings.server.tool_call_parser)
+    server = state.settings.server
+    plan = plan_tools(body, template.source, server.tool_call_parser, server.max_tool_calls)
     messages = body.message_dicts()
     if plan is not None and template.is_fallback:  # no template to show the tools: a system message does
         messages = [{"role": "system", "content": hermes_system_prompt(plan.tools)}, *messages]

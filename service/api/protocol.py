@@ -191,13 +191,17 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fields_table: ClassVar[dict] = {}
 
     def __post_init__(self) -> None:
-        for name, (answer, why) in self.fields_table.items():
-            if answer == REFUSED and getattr(self, name, None) is not None:
-                raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
         self.n = 1 if self.n is None else self.n
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+
+    def check_fields(self) -> None:
+        """Raise InvalidRequestError for a field this server refuses (openai_fields: REFUSED) or a bad
+        combination. Called by decode_body (an error raised while msgspec decodes would lose its param)."""
+        for name, (answer, why) in self.fields_table.items():
+            if answer == REFUSED and getattr(self, name, None) is not None:
+                raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
 
     @property
     def include_usage(self) -> bool:
@@ -321,6 +325,9 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     def __post_init__(self) -> None:
         super().__post_init__()
         self.logprobs = bool(self.logprobs)
+
+    def check_fields(self) -> None:
+        super().check_fields()
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise InvalidRequestError("this model writes text only: modalities must be [\"text\"]", param="modalities")
 
@@ -356,6 +363,9 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
         self.prompt = "" if self.prompt is None else self.prompt
         self.max_tokens = 16 if self.max_tokens is None else self.max_tokens
         self.echo = bool(self.echo)
+
+    def check_fields(self) -> None:
+        super().check_fields()
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo with logprobs needs prompt logprobs, which this server does not compute",
                                       param="echo")
@@ -387,18 +397,21 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
 
 
 def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields:
-    """Parse a JSON body (bytes, or an already decoded object) strictly into `kind`.
+    """Parse a JSON body (bytes, or an already decoded object) strictly into `kind`, then check_fields().
 
     A body msgspec's typed decoder refuses gets one more try with whole floats in
     `kind.integer_fields` and in the token-id lists of `kind.token_id_fields`
-    (`"stop_token_ids": [2.0]`) made ints; the prompt's token ids are `prompts()`'s. Raises msgspec errors, which the middleware maps to
-    a 400 naming the field.
+    (`"stop_token_ids": [2.0]`) made ints; the prompt's token ids are `prompts()`'s. Raises msgspec errors
+    and InvalidRequestError, which the middleware maps to a 400 naming the field.
     """
     if isinstance(raw, bytes):
         try:
-            return msgspec.json.decode(raw, type=kind, strict=True)  # the common case: one pass
+            body = msgspec.json.decode(raw, type=kind, strict=True)  # the common case: one pass
         except msgspec.ValidationError:
             raw = msgspec.json.decode(raw)
+        else:
+            body.check_fields()
+            return body
     body = raw
     if isinstance(body, dict):
         for name in kind.integer_fields:
@@ -408,7 +421,9 @@ def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields
             value = body.get(name)
             if isinstance(value, list):
                 body[name] = [_whole(v) for v in value]
-    return msgspec.convert(body, kind, strict=True)
+    body = msgspec.convert(body, kind, strict=True)
+    body.check_fields()
+    return body
 
 
 def _whole(value: Any) -> Any:

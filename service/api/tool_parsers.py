@@ -184,7 +184,7 @@ class ToolCallParser:
     def _add_arguments(self, text: str, deltas: list[dict]) -> None:
         self.calls[-1]["function"]["arguments"] += text
         index = len(self.calls) - 1
-        if deltas and deltas[-1]["index"] == index:  # merge into this feed's delta for the same call
+        if deltas and deltas[-1]["index"] == index and "id" not in deltas[-1]:  # merge this feed's fragments
             deltas[-1]["function"]["arguments"] += text
         else:
             deltas.append({"index": index, "function": {"arguments": text}})

@@ -3,9 +3,10 @@
     tool_choice   prompt            constraint                         parser (tool_parsers.py)
     none          tools rendered    response_format's, if any          none: the text is content
     auto          tools rendered    none                               the template's format
-    required      tools rendered    a JSON array of 1+ calls (1 if     json_array
-                                    parallel_tool_calls is false), each
-                                    call's arguments its function's schema
+    required      tools rendered    a JSON array of 1 to max_tool_calls json_array
+                                    calls (1 if parallel_tool_calls is
+                                    false), each call's arguments its
+                                    function's schema
     {function}    tools rendered    that function's arguments schema   arguments
 
 "required" and a named function parse whatever the model is, because the grammar allows
@@ -54,6 +55,7 @@ class ToolPlan:
     function_name: str | None  # the named function (choice "function")
     parallel: bool
     call_format: str  # for "auto": "hermes" or "llama3_json"
+    max_calls: int = 16  # server.max_tool_calls: the bound on a constrained answer's calls
 
     def constraint(self) -> StructuredOutputs | None:
         """The grammar that makes the output valid calls (required, named), else None."""
@@ -64,9 +66,8 @@ class ToolPlan:
             return None
         call = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                  "required": ["name", "arguments"], "additionalProperties": False} for name, schema in schemas.items()]
-        array = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
-        if not self.parallel:
-            array["maxItems"] = 1
+        array = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1,
+                 "maxItems": self.max_calls if self.parallel else 1}
         return StructuredOutputs(json=array, param="tools")
 
     def new_parser(self) -> ToolCallParser | None:
@@ -85,7 +86,8 @@ class ToolPlan:
         return reason
 
 
-def plan_tools(body: ChatCompletionRequest, template_source: str | None, configured_format: str) -> ToolPlan | None:
+def plan_tools(body: ChatCompletionRequest, template_source: str | None, configured_format: str,
+               max_calls: int = 16) -> ToolPlan | None:
     """The request's ToolPlan (None without tools); raises InvalidRequestError naming the field."""
     choice = body.tool_choice
     if not body.tools:
@@ -132,4 +134,4 @@ def plan_tools(body: ChatCompletionRequest, template_source: str | None, configu
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_FORMATS}, got {configured_format!r}")
     call_format = template_format(template_source) if configured_format == "auto" else configured_format
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
-    return ToolPlan(tools, choice, function_name, parallel, call_format)
+    return ToolPlan(tools, choice, function_name, parallel, call_format, max_calls)

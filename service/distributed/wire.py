@@ -136,8 +136,8 @@ def salt_bytes(salt: str | None) -> bytes | None:
 
 
 def params_of(call: Generate) -> SamplingParams:
-    """The call's SamplingParams (checked again as they are built)."""
-    return msgspec.convert(call.params, SamplingParams)
+    """The call's SamplingParams (checked again as they are built; logit_bias keys may arrive as strings)."""
+    return msgspec.convert(call.params, SamplingParams, str_keys=True)
 
 
 def choice_of(delta: ChoiceDelta) -> Choice:

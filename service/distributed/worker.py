@@ -57,9 +57,14 @@ class Worker:
 
     async def _generate(self, call: wire.Generate, context):
         try:
-            request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, wire.params_of(call),
+            params = wire.params_of(call)
+            grammar = None
+            if params.structured_outputs is not None:  # compiled off this loop, as the front door does
+                grammar = await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.grammars.compile, params.structured_outputs)
+            request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
                                                   wire.salt_bytes(call.cache_salt),
-                                                  call.num_shared_blocks * self.engine.block_size)
+                                                  call.num_shared_blocks * self.engine.block_size, grammar=grammar)
         except InvalidRequestError as exc:
             yield wire.failure_of(exc)
             return

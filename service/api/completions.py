@@ -59,7 +59,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     grammar = await state.compile_grammar(constraint)
     echo_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
     fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs,
-                           echo_texts=echo_texts, n=body.n)
+                           echo_texts=echo_texts, n=body.n)  # choices per prompt as returned (best_of keeps n)
     return await _respond(request, Generation(state, body, prompts, fmt, tenant, constraint, grammar))
 
 
@@ -80,7 +80,10 @@ async def _whole_response(generation: Generation) -> web.Response:
         for index, delta in deltas:
             acc.add(index, delta)
     fmt = generation.fmt
-    choices = [fmt.final_choice(i, whole) for i, whole in sorted(acc.choices.items())]
+    if generation.body.picks_best:
+        choices = [fmt.final_choice(whole.index, whole) for whole in acc.best(generation.n, generation.body.n)]
+    else:
+        choices = [fmt.final_choice(i, whole) for i, whole in sorted(acc.choices.items())]
     await generation.usage_recorded()  # the answer goes out only once its bill is on disk
     return web.Response(body=msgspec.json.encode(fmt.response(choices, generation.usage())), content_type="application/json",
                         headers=_ignored_header(generation))

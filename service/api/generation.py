@@ -45,7 +45,7 @@ class Generation:
         self.body = body
         self.fmt = fmt
         self.tenant = tenant
-        self.n = body.n
+        self.n = body.samples_per_prompt  # samples per prompt in the engine (best_of may return fewer)
         self.lease = None
         cache_salt = state.tenants.cache_salt(tenant.tenant_id, body.cache_salt)
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
@@ -217,6 +217,17 @@ class ChoiceAccumulator:
 
     def __init__(self) -> None:
         self.choices: dict[int, ChoiceDelta] = {}
+
+    def best(self, samples_per_prompt: int, n: int) -> list[ChoiceDelta]:
+        """Per prompt, the n samples with the highest mean logprob per token (best_of), renumbered, in order."""
+        picked = []
+        for start in range(0, len(self.choices), samples_per_prompt):
+            samples = [self.choices[i] for i in range(start, start + samples_per_prompt)]
+            ranked = sorted(samples, key=lambda c: -sum(t.logprobs[t.token_id] for t in c.logprobs) / max(1, len(c.logprobs)))
+            for j, choice in enumerate(ranked[:n]):
+                choice.index = len(picked)
+                picked.append(choice)
+        return picked
 
     def add(self, index: int, delta: ChoiceDelta) -> None:
         whole = self.choices.setdefault(index, ChoiceDelta(index))

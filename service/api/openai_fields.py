@@ -74,7 +74,8 @@ COMPLETION_FIELDS: dict[str, tuple[str, str]] = {
     "echo": (SUPPORTED, "the prompt text before the completion; with logprobs it is a 400 (prompt logprobs "
                         "are not computed)"),
     "user": (SUPPORTED, "logged with the request"),
-    "best_of": (SUPPORTED, "equal to n (or null); best_of > n is a 400: not built"),
+    "best_of": (SUPPORTED, "best_of samples are drawn (and billed) and the n with the highest logprob per token "
+                           "returned; not with stream, as OpenAI"),
     "suffix": (REFUSED, "the served models have no fill-in-the-middle tokens"),
 }
 

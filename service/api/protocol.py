@@ -213,6 +213,15 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def requested_logprobs(self) -> int | None:
         return None
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Samples the engine draws per prompt: n, or completions' best_of (of which n are returned)."""
+        return self.n
+
+    @property
+    def picks_best(self) -> bool:
+        return False
+
     def output_constraint(self) -> StructuredOutputs | None:
         """The output's constraint from response_format, structured_outputs or guided_* (at most one)."""
         given: list[StructuredOutputs] = []
@@ -266,7 +275,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "structured_outputs": constraint,
         }
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+            n=self.samples_per_prompt, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             **{k: v for k, v in given.items() if v is not None},
         )
@@ -369,11 +378,23 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo with logprobs needs prompt logprobs, which this server does not compute",
                                       param="echo")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError(f"best_of must equal n ({self.n}): choosing the best of more samples is "
-                                      "not supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequestError("best_of greater than n cannot be streamed", param="best_of")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def picks_best(self) -> bool:
+        """best_of > n: the n samples with the highest logprob per token are returned."""
+        return self.samples_per_prompt > self.n
 
     def requested_logprobs(self) -> int | None:
+        if self.logprobs is None and self.picks_best:
+            return 0  # the chosen tokens' logprobs rank the samples (not shown unless asked)
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 
+import jsonschema
 import msgspec
 import pytest
 import requests
@@ -18,6 +19,7 @@ import requests
 from tests.distributed.cluster import start_front_door, start_worker, wait_until, worker_stats
 from tests.service.conftest import write_tenants_file
 from tests.service.redis_fixture import free_port, start_server
+from tests.structured.schema_battery import SCHEMAS
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
 
@@ -173,6 +175,25 @@ def test_an_operator_shared_prefix_is_routed_to_its_pages_for_every_tenant(clust
     holders = _lookup(front, "globex", SHARED + "Globex asks about fish.")  # routed unsalted: the shared blocks count
     assert sorted(holders.values())[-1] >= 3 and sorted(holders.values())[:2] == [0, 0], holders
     assert _cached(_complete(front, GLOBEX, SHARED + "Globex asks about fish.")) >= 48  # acme's shared pages
+
+
+def test_structured_outputs_and_tool_calls_cross_to_the_workers(cluster):
+    front = cluster["front"]
+    schema = SCHEMAS["several_fields"]
+    answer = _chat(front, ACME, "Describe Max.", max_tokens=200, temperature=1.0, n=3, seed=4, logit_bias={"5": -100},
+                   response_format={"type": "json_schema", "json_schema": {"name": "dog", "schema": schema}})
+    for choice in answer["choices"]:  # each worker compiles the schema from the call's SamplingParams
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    tool = {"type": "function", "function": {"name": "fetch", "parameters": SCHEMAS["one_integer_range"]}}
+    called = _chat(front, GLOBEX, "Fetch it.", max_tokens=100, tools=[tool], tool_choice="required",
+                   parallel_tool_calls=False)
+    [call] = called["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "fetch" and called["choices"][0]["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["one_integer_range"])
+    body = {"model": "stories260K", "messages": [{"role": "user", "content": "x"}], "guided_regex": "a(b"}
+    bad = requests.post(front.url + "/v1/chat/completions", json=body, headers=_headers(ACME), timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"  # refused before it leaves
 
 
 def test_a_second_front_door_serves_the_websocket_and_shares_the_ledger(cluster):

@@ -85,21 +85,28 @@ def machine_info() -> dict:
 
 
 def make_random_llama(path: Path, *, hidden_size: int = 512, intermediate_size: int = 1408, num_layers: int = 7,
-                      num_heads: int = 8, num_kv_heads: int = 4, max_position_embeddings: int = 1024) -> Path:
-    """A Llama with random weights (~20M parameters by default) and stories260K's tokenizer."""
+                      num_heads: int = 8, num_kv_heads: int = 4, max_position_embeddings: int = 1024,
+                      tokenizer_dir: Path = STORIES) -> Path:
+    """A Llama with random weights (~20M parameters by default) and stories260K's tokenizer (or another
+    tokenizer folder's: the vocabulary is then its size, the end token its eos_token)."""
     import torch
+    from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("eos_token")
+    eos_id = tokenizer.token_to_id(eos if isinstance(eos, str) else eos["content"]) if eos else 2
     config = LlamaConfig(
-        vocab_size=512, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=eos_id, tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / name, path / name)
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 

@@ -1,12 +1,14 @@
-"""Token bitmask -> logits: tokens a grammar rules out get -inf, in place, on the constrained rows only.
+"""Token bitmask -> the token ids a grammar allows next, for one row.
 
-    bitmask  int32 [num_masked, ceil(vocab / 32)]: bit (t % 32) of word t // 32 is 1 when token
-             t is allowed (the layout llguidance and xgrammar fill); tokens past 32 * words
-             are ruled out
-    logits   float [num_rows, vocab]; rows[j] is the row that bitmask[j] constrains
+    bitmask  int32 [ceil(vocab / 32)]: bit (t % 32) of word t // 32 is 1 when token t is
+             allowed (the layout llguidance and xgrammar fill); ids >= vocab_size are dropped
 
-Reference (bit by bit, float64) and kernel (unpack once, one select per row), and the check
-that compares them (tests/kernels/test_token_mask.py).
+The sampler then works on the allowed ids alone (a gather of their logits), so a
+constrained row costs O(allowed) after this call, where masking the row would cost O(vocab):
+most JSON positions allow a handful of tokens. The kernel reads only the nonzero words
+(a structural position has few), then their bits; a string's position, where most tokens
+are allowed, costs one pass over the row's bits. Reference (bit by bit) and kernel, and the
+check that compares them (tests/kernels/test_token_mask.py).
 """
 
 from __future__ import annotations
@@ -15,49 +17,24 @@ import numpy as np
 import torch
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # bool [num_masked, vocab_size]
-    """Each row's allowed tokens as booleans."""
-    words = bitmask.shape[1]
-    if bitmask.device.type == "cpu":  # numpy's unpackbits: ~0.4 ms for 32 rows of Qwen2's 151,936 tokens
-        count = min(vocab_size, 32 * words)
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=count, bitorder="little")
-        allowed = torch.from_numpy(bits).view(torch.bool)
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], 32 * words)[:, :vocab_size]
-    if allowed.shape[1] < vocab_size:
-        pad = torch.zeros(allowed.shape[0], vocab_size - allowed.shape[1], dtype=torch.bool, device=allowed.device)
-        allowed = torch.cat([allowed, pad], dim=1)
-    return allowed
+def allowed_token_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # int64 [num_allowed], ascending
+    """The ids whose bit is set in one bitmask row (CPU, int32)."""
+    words = bitmask.numpy().view(np.uint32)
+    nonzero = np.flatnonzero(words)
+    bits = np.unpackbits(words[nonzero].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [nonzero, 32]
+    word_index, bit = np.nonzero(bits)
+    ids = nonzero[word_index].astype(np.int64) * 32 + bit
+    return torch.from_numpy(ids[ids < vocab_size] if ids.size and ids[-1] >= vocab_size else ids)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[rows[j], t] = -inf wherever bitmask[j] rules token t out (in place)."""
-    if len(rows) != bitmask.shape[0]:
-        raise ValueError(f"{len(rows)} rows for {bitmask.shape[0]} bitmask rows")
-    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = torch.where(allowed, logits[index], float("-inf"))
-
-
-def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The same, one bit at a time in float64 (returns a new tensor)."""
-    out = logits.double().clone()
+def allowed_token_ids_reference(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
     words = bitmask.tolist()
-    for j, row in enumerate(rows):
-        for token in range(out.shape[1]):
-            word = token // 32
-            allowed = word < len(words[j]) and (words[j][word] >> (token % 32)) & 1
-            if not allowed:
-                out[row, token] = float("-inf")
-    return out
+    return [t for t in range(min(vocab_size, 32 * len(words))) if (words[t // 32] >> (t % 32)) & 1]
 
 
-def check(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Raise unless the kernel and the reference agree exactly on these inputs."""
-    expected = apply_token_bitmask_reference(logits, bitmask, rows)
-    got = logits.clone()
-    apply_token_bitmask(got, bitmask, rows)
-    if not torch.equal(got.double(), expected):
-        bad = (got.double() != expected).nonzero()[:5].tolist()
-        raise AssertionError(f"token mask differs from the reference at {bad}")
+def check(bitmask: torch.Tensor, vocab_size: int) -> None:
+    """Raise unless the kernel and the reference give the same ids for this row."""
+    got = allowed_token_ids(bitmask, vocab_size).tolist()
+    expected = allowed_token_ids_reference(bitmask, vocab_size)
+    if got != expected:
+        raise AssertionError(f"allowed ids differ from the reference: {got[:8]}... vs {expected[:8]}...")

@@ -1,8 +1,8 @@
 """Pick each sequence's next token from its logits row.
 
-Order per row: logprobs of the raw distribution (when asked) -> logit_bias -> the grammar's
-token mask (constrained rows only) -> penalties -> greedy argmax, or temperature -> top_k ->
-top_p -> min_p -> a draw. The draw for a seeded sequence uses
+Order per row: logprobs of the raw distribution (when asked) -> logit_bias -> penalties ->
+the grammar's allowed tokens (constrained rows only: the rest of the row is dropped) ->
+greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. The draw for a seeded sequence uses
 only that sequence's own generator (one draw per token), so its output does not depend
 on what else is in the batch.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.token_mask import apply_token_bitmask
+from kernels.token_mask import allowed_token_ids
 from runtime.request import Sequence
 
 
@@ -98,41 +98,58 @@ class Sampler:
             if seq.params.logit_bias:
                 bias = seq.params.logit_bias
                 logits[i, torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()))
-        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        if constrained:
-            self._mask(logits, seqs, constrained)
-        all_greedy = all(s.params.is_greedy and not s.params.has_penalties for s in seqs)
-        if all_greedy:
+        allowed = self._allowed_ids(logits.shape[1], seqs)  # row -> the ids its grammar allows
+        if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             token_ids = logits.argmax(dim=-1).tolist()
+            for i, ids in allowed.items():
+                token_ids[i] = int(ids[logits[i, ids].argmax()])
         else:
-            token_ids = [self._sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+            token_ids = [self._sample_row(logits[i], seq, allowed.get(i)) for i, seq in enumerate(seqs)]
         token_logprobs = [
             self._logprobs(logprobs[i], token_ids[i], seq.params.logprobs) if seq.params.logprobs is not None else None
             for i, seq in enumerate(seqs)
         ]
         return token_ids, token_logprobs
 
-    def _mask(self, logits: torch.Tensor, seqs: SequenceOf[Sequence], rows: list[int]) -> None:
-        """Each constrained row's grammar fills its bitmask row; one kernel call applies them all."""
-        words = -(-logits.shape[1] // 32)
+    def _allowed_ids(self, vocab_size: int, seqs: SequenceOf[Sequence]) -> dict[int, torch.Tensor]:
+        """Each constrained row's grammar fills its bitmask row; the allowed ids of each (int64, ascending).
+
+        A row whose grammar allows nothing (an engine fault) is left unconstrained here; the
+        grammar then refuses the token and the engine ends the sequence.
+        """
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return {}
+        words = -(-vocab_size // 32)
         if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             self._bitmask = torch.empty(max(len(rows), self._bitmask.shape[0]), words, dtype=torch.int32)
-        bitmask = self._bitmask[: len(rows)]
+        allowed = {}
         for j, i in enumerate(rows):
-            seqs[i].grammar.fill_bitmask(bitmask, j)
-        apply_token_bitmask(logits, bitmask, rows)
+            seqs[i].grammar.fill_bitmask(self._bitmask, j)
+            ids = allowed_token_ids(self._bitmask[j], vocab_size)
+            if ids.numel():
+                allowed[i] = ids
+        return allowed
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+    def _sample_row(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None = None) -> int:
+        """One token for one sequence; with `allowed` (a grammar's ids) only among those."""
         params = seq.params
         if params.has_penalties:
             row = apply_penalties(row, seq)
+        if allowed is not None:
+            row = row[allowed]  # [num_allowed]: what follows costs O(allowed), not O(vocab)
         if params.is_greedy:
-            return int(row.argmax())
-        row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
-        probs = torch.softmax(row, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p (one draw per token).
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator or self.generator)
-        return int((probs / noise).argmax())
+            choice = int(row.argmax())
+        else:
+            row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
+            probs = torch.softmax(row, dim=-1)
+            # Inverse CDF: one uniform draw per token (so a seeded sequence's draws do not depend on
+            # the batch), O(vocab) adds; a token of probability 0 is never chosen, since
+            # searchsorted(right=True) lands on the first cumulative sum strictly above the draw.
+            cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
+            draw = torch.rand((), dtype=torch.float64, generator=seq.generator or self.generator) * cdf[-1]
+            choice = min(int(torch.searchsorted(cdf, draw, right=True)), row.shape[0] - 1)
+        return int(allowed[choice]) if allowed is not None else choice
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

@@ -130,3 +130,14 @@ def test_sampled_tokens_follow_the_distribution():
         counts[sampler(logits, [seq])[0][0]] += 1
     for count, p in zip(counts, probs.tolist()):
         assert abs(count / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000)
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    from runtime.sampler import Sampler
+
+    logits = torch.full((1, 64), float("-inf"))
+    logits[0, [0, 63]] = torch.tensor([0.5, 0.0])  # the edges: the first and last tokens are the only ones allowed
+    seq = make_seq("z", [0], temperature=1.0, seed=1)
+    sampler = Sampler()
+    drawn = {sampler(logits, [seq])[0][0] for _ in range(2000)}
+    assert drawn == {0, 63}

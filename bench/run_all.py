@@ -32,6 +32,8 @@ SCRIPTS = {
     "vllm_serving": "bench_vllm_serving.py",
     "routing": "bench_routing.py",
     "fleet": "bench_fleet.py",
+    "grammar_engines": "bench_grammar_engines.py",
+    "structured": "bench_structured.py",
 }
 
 

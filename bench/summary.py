@@ -153,6 +153,25 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
                         f"{other['output_tok_s']:.0f}",
                         f"x{ours['ttft_p50_s'] / other['ttft_p50_s']:.2f} / x{ours['ttft_p99_s'] / other['ttft_p99_s']:.2f}; "
                         f"x{ours['output_tok_s'] / other['output_tok_s']:.2f}"))
+    engines = load("grammar_engines", quick) or {}
+    for vocab in engines.get("vocabs", []):
+        llg, xgr = vocab["engines"]["llguidance"], vocab["engines"]["xgrammar"]
+        out.append((f"grammar engines, {vocab['vocab_size']:,}-token vocabulary: compile to first mask, median / worst "
+                    "(ms); one row's mask fill (us), llguidance vs xgrammar",
+                    f"{llg['compile_ms_median']:.1f} / {llg['compile_ms_max']:.1f}; {llg['fill_row_us_median']:.0f}",
+                    f"{xgr['compile_ms_median']:.1f} / {xgr['compile_ms_max']:.1f}; {xgr['fill_row_us_median']:.0f}",
+                    f"x{llg['compile_ms_median'] / xgr['compile_ms_median']:.2f}; "
+                    f"x{llg['fill_row_us_median'] / xgr['fill_row_us_median']:.2f}"))
+    structured = load("structured", quick) or {}
+    for name, entry in structured.get("models", {}).items():
+        steps, first = entry["steps"], entry["first_token"]
+        out.append((f"batch-32 decode step, every row JSON-constrained vs none, 20M Llama, {name} (ms)",
+                    f"{steps['step_ms_all']:.1f}", f"{steps['step_ms_none']:.1f}; goal <= +10%",
+                    f"{100 * steps['overhead_all']:+.1f}%: {'met' if steps['overhead_all'] <= 0.10 else 'not met'}"))
+        out.append((f"first streamed event, new schema / cached schema vs none, 20M Llama, {name} (ms)",
+                    f"{first['first_event_ms_cold']:.1f} / {first['first_event_ms_cached']:.1f}",
+                    f"{first['first_event_ms_none']:.1f}",
+                    f"{first['added_ms_cold']:+.1f} / {first['added_ms_cached']:+.1f} ms"))
     fleet = load("fleet", quick) or {}
     for key, capacity in fleet.get("capacity_load_under_slo", {}).items():
         workers, policy = key.split("/")

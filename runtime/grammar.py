@@ -8,8 +8,8 @@ Why llguidance (not xgrammar): measured in bench/bench_grammar_engines.py (BENCH
 On Qwen2's 151,936-token vocabulary it compiles a schema to its first mask ~6x faster
 (median 1.2 ms vs 7.3 ms, worst 3 ms vs 29 ms); xgrammar fills a mask faster (10 us vs 27 us
 a row), but both are small beside a step, and llguidance installs with no dependencies
-where xgrammar pulls in transformers and triton. The mask is applied by our own kernel
-(kernels/token_mask.py), whichever engine fills it.
+where xgrammar pulls in transformers and triton. The bitmask is read by our own kernel
+(kernels/token_mask.py: the allowed ids), whichever engine fills it.
 
 A compiled grammar is a pristine matcher; a sequence's matcher is its copy (~10 us), so a
 fork (n > 1) copies its parent's state and a cache hit costs nothing but the copy.

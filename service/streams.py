@@ -130,5 +130,7 @@ async def follow(streams: list[RequestStream], wakeup: asyncio.Event):
                 yield position, stream.take()
             if stream.error is not None:
                 raise stream.error
-        if all(stream.finished for stream in streams):
+        # an output pushed while the reader was busy with the last yield set `wakeup` again:
+        # end only once nothing is pending, or that last output would be dropped
+        if all(stream.finished and not stream._pending for stream in streams):
             return

@@ -183,7 +183,7 @@ def test_structured_outputs_and_tool_calls_cross_to_the_workers(cluster):
     answer = _chat(front, ACME, "Describe Max.", max_tokens=200, temperature=1.0, n=3, seed=4, logit_bias={"5": -100},
                    response_format={"type": "json_schema", "json_schema": {"name": "dog", "schema": schema}})
     for choice in answer["choices"]:  # each worker compiles the schema from the call's SamplingParams
-        assert choice["finish_reason"] == "stop"
+        assert choice["finish_reason"] == "stop", answer
         jsonschema.validate(json.loads(choice["message"]["content"]), schema)
     tool = {"type": "function", "function": {"name": "fetch", "parameters": SCHEMAS["one_integer_range"]}}
     called = _chat(front, GLOBEX, "Fetch it.", max_tokens=100, tools=[tool], tool_choice="required",

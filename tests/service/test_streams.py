@@ -35,3 +35,22 @@ def test_timing_records_first_token_and_gaps():
 
     stream = asyncio.run(main())
     assert abs(stream.ttft - 0.5) < 1e-9 and stream.inter_token_latencies == [0.25]
+
+
+def test_the_last_output_is_read_even_when_it_lands_while_the_reader_is_busy():
+    # the reader awaits inside its loop (a socket write, a frame sent to the front door); the
+    # engine's final output arrives meanwhile: it must still be yielded, not dropped at the end
+    async def main():
+        stream = RequestStream("r", num_prompt_tokens=2)
+        stream.push(_output(0), now=0.0)
+        seen = []
+        async for deltas in stream.deltas():
+            seen += deltas
+            if len(seen) == 1:
+                await asyncio.sleep(0)
+                stream.push(_output(1, finished=True), now=1.0)
+                await asyncio.sleep(0)
+        return seen
+
+    seen = asyncio.run(main())
+    assert [d.token_ids for d in seen] == [[0], [1]] and seen[-1].finish_reason == "length"

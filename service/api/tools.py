@@ -32,7 +32,10 @@ ANY_OBJECT = {"type": "object"}
 
 def template_format(template_source: str | None) -> str:
     """The tool call format a chat template teaches its model ("hermes" or "llama3_json")."""
-    if template_source and "<|python_tag|>" in template_source or template_source and '"parameters"' in template_source:
+    source = template_source or ""
+    if "<tool_call>" in source:
+        return "hermes"
+    if "<|python_tag|>" in source or '"parameters"' in source:
         return "llama3_json"
     return "hermes"
 

@@ -82,3 +82,12 @@ def test_a_named_function_streams_its_arguments_as_they_come():
 def test_a_truncated_call_keeps_what_arrived():
     content, calls, _ = _run(HermesParser(), ['<tool_call>{"name": "f", "arguments": {"a": [1, 2'])
     assert content == "" and calls[0]["name"] == "f" and calls[0]["arguments"] == '{"a": [1, 2'
+
+
+def test_the_call_format_is_read_from_the_template():
+    from service.api.tools import template_format
+
+    assert template_format(None) == "hermes"
+    assert template_format("... <tool_call>{{ tool | tojson }}</tool_call> ... \"parameters\"") == "hermes"
+    assert template_format("{{- '<|python_tag|>' }} ... {\"name\": ..., \"parameters\": ...}") == "llama3_json"
+    assert template_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "hermes"

@@ -12,6 +12,7 @@ import time
 
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request
+from runtime.grammar import GrammarCompiler
 from runtime.request_builder import RequestLimits
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.tokenizer import ByteTokenizer
@@ -25,14 +26,17 @@ class StubEngine:
     def __init__(self, max_num_seqs: int = 64) -> None:
         self.tokenizer = ByteTokenizer()
         self.limits = RequestLimits(256, self.block_size, self.max_model_len, max_num_seqs, 1 << 20)
+        self.grammars = GrammarCompiler(self.tokenizer, 258, [self.tokenizer.eos_token_id])  # validation only
         self.requests: dict[str, list] = {}  # id -> [params, num_prompt, num_emitted, aborted]
 
     def tokenize(self, prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def prepare_request(self, request_id, prompt, params=None, cache_salt=None, shared_prefix_len=0, pin_id=None,
-                        prompt_param="prompt") -> Request:
+                        prompt_param="prompt", grammar=None) -> Request:
         params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("the stub engine does not constrain outputs", param=params.structured_outputs.param)
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)

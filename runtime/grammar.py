@@ -4,11 +4,12 @@
     CompiledGrammar.new_matcher() -> GrammarMatcher                   (one per sequence)
     GrammarMatcher.fill_bitmask(bitmask, row); .accept(token); .is_stopped
 
-Why llguidance (not xgrammar): measured in bench/bench_grammar_engines.py (BENCHMARKS.md).
-On Qwen2's 151,936-token vocabulary it compiles a schema to its first mask ~6x faster
-(median 1.2 ms vs 7.3 ms, worst 3 ms vs 29 ms); xgrammar fills a mask faster (10 us vs 27 us
-a row), but both are small beside a step, and llguidance installs with no dependencies
-where xgrammar pulls in transformers and triton. The bitmask is read by our own kernel
+Why llguidance (not xgrammar): measured in bench/bench_grammar_engines.py (BENCHMARKS.md
+section 14). On Qwen2's 151,936-token vocabulary it compiles a schema to its first mask
+faster (median 1.1 ms vs 8.1 ms, worst 15 ms vs 34 ms); xgrammar fills a row's mask faster
+(7 us vs 57 us: 0.3 ms vs 1.0 ms for a batch of 32), but either is ~1% of that batch's
+~110 ms step, and llguidance installs with no dependencies where xgrammar pulls in
+transformers and triton (and its own CPU mask kernel took 19 ms for those 32 rows). The bitmask is read by our own kernel
 (kernels/token_mask.py: the allowed ids), whichever engine fills it.
 
 A compiled grammar is a pristine matcher; a sequence's matcher is its copy (~10 us), so a
@@ -63,6 +64,25 @@ class GrammarMatcher:
 
     def copy(self) -> GrammarMatcher:
         return GrammarMatcher(self._matcher.deep_copy())
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None  # llguidance's thread pool for a batch's masks (made on first use)
+
+
+def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    """bitmask[j] = the tokens matchers[j] allows next, for a whole batch at once.
+
+    llguidance's executor computes the rows on its own threads, outside the GIL: the engine
+    thread calls this between the forward and the draw, when the cores are otherwise idle.
+    """
+    global _EXECUTOR
+    if len(matchers) == 1:
+        matchers[0].fill_bitmask(bitmask, 0)
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor(max(1, min(8, torch.get_num_threads())))
+    llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, j) for j, m in enumerate(matchers)],
+                                                 bitmask[: len(matchers)])
 
 
 class CompiledGrammar:
@@ -140,6 +160,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the bench
 
+    def warm_up(self) -> None:
+        """Build the index of the vocabulary now (what the first compile would: 0.9 s for 150k tokens)."""
+        with self._lock:
+            if self._llg is None:
+                self._llg = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos_token_ids)
+
     def cached(self, spec: StructuredOutputs) -> CompiledGrammar | None:
         """The compiled grammar if it is in the cache (cheap: safe on the event loop)."""
         key = spec.cache_key()
@@ -158,9 +184,7 @@ class GrammarCompiler:
             source = grammar_source(spec)
         except ValueError as exc:
             raise InvalidRequestError(f"the {spec.kind} constraint is invalid: {exc}", param=spec.param) from exc
-        with self._lock:
-            if self._llg is None:
-                self._llg = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos_token_ids)
+        self.warm_up()
         pristine = llguidance.LLMatcher(self._llg, source)
         if pristine.is_error():
             raise InvalidRequestError(f"the {spec.kind} constraint cannot be compiled: {pristine.get_error()}",

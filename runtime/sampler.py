@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.token_mask import allowed_token_ids
+from runtime.grammar import fill_bitmasks
 from runtime.request import Sequence
 
 
@@ -112,7 +113,7 @@ class Sampler:
         return token_ids, token_logprobs
 
     def _allowed_ids(self, vocab_size: int, seqs: SequenceOf[Sequence]) -> dict[int, torch.Tensor]:
-        """Each constrained row's grammar fills its bitmask row; the allowed ids of each (int64, ascending).
+        """The constrained rows' grammars fill their bitmask rows (together); the allowed ids of each (int64, ascending).
 
         A row whose grammar allows nothing (an engine fault) is left unconstrained here; the
         grammar then refuses the token and the engine ends the sequence.
@@ -123,13 +124,9 @@ class Sampler:
         words = -(-vocab_size // 32)
         if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             self._bitmask = torch.empty(max(len(rows), self._bitmask.shape[0]), words, dtype=torch.int32)
-        allowed = {}
-        for j, i in enumerate(rows):
-            seqs[i].grammar.fill_bitmask(self._bitmask, j)
-            ids = allowed_token_ids(self._bitmask[j], vocab_size)
-            if ids.numel():
-                allowed[i] = ids
-        return allowed
+        fill_bitmasks([seqs[i].grammar for i in rows], self._bitmask)
+        ids = allowed_token_ids(self._bitmask[: len(rows)], vocab_size)
+        return {i: row_ids for i, row_ids in zip(rows, ids) if row_ids.numel()}
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None = None) -> int:
         """One token for one sequence; with `allowed` (a grammar's ids) only among those."""

@@ -111,6 +111,14 @@ def _feed_prefix_index(state: ServiceState, bridge: EngineBridge) -> asyncio.Tas
     return asyncio.create_task(_publish_kv_events(state, pending))
 
 
+async def _warm_up_grammars(state: ServiceState) -> None:
+    """Index the vocabulary for structured outputs now, off the loop, not on the first constrained request."""
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.grammars.warm_up)
+    except Exception:  # structured outputs will then fail (400 naming the field) on their own; serving goes on
+        log.exception("the grammar engine could not index the vocabulary")
+
+
 async def _restore_pins(state: ServiceState) -> None:
     """Re-pin the registered prefixes (the pin registry survives restarts; the engine's pages do not)."""
     try:
@@ -154,6 +162,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         publisher = _feed_prefix_index(state, bridge) if embedded else None
         bridge.start()
         await _restore_pins(state)
+        state.spawn(_warm_up_grammars(state))
         if engine.tokenizer.chat_template.is_fallback:
             log.warning("the model has no chat template: chat uses 'role: content' lines, then 'assistant:'")
         log.info("serving", model=model_name, replica=replica_id, redis=redis_client is not None,

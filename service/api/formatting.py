@@ -98,18 +98,14 @@ class ChatFormat(ResponseFormat):
         self.tool_plan = tool_plan  # service.api.tools.ToolPlan, or None: the text is the content
         self._parsers: dict = {}  # choice index -> its tool_parsers.ToolCallParser, while streaming
 
-    def _message(self, parser, text: str, finish_reason: str | None, message: dict) -> str | None:
-        """Put the content and tool calls parsed from `text` into `message`; the choice's finish reason."""
+    def _read_calls(self, parser, text: str, last: bool, message: dict) -> list[dict]:
+        """Set `message`'s content to the part of `text` that is not calls; the tool call deltas in it."""
         content, calls = parser.feed(text)
-        if finish_reason is not None:
+        if last:
             tail, more = parser.finish()
             content, calls = content + tail, calls + more
-        if self.tool_plan.choice in ("required", "function"):
-            content = None  # the output is the calls
-        message["content"] = content
-        if calls:
-            message["tool_calls"] = calls
-        return self.tool_plan.finish_reason(finish_reason, len(parser.calls))
+        message["content"] = None if self.tool_plan.choice in ("required", "function") else content  # all calls
+        return calls
 
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
         if self.num_top_logprobs is None:
@@ -133,7 +129,10 @@ class ChatFormat(ResponseFormat):
             parser = self._parsers.get(index)
             if parser is None:
                 parser = self._parsers[index] = self.tool_plan.new_parser()
-            finish_reason = self._message(parser, delta.text, finish_reason, message)
+            calls = self._read_calls(parser, delta.text, finish_reason is not None, message)
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self.tool_plan.finish_reason(finish_reason, len(parser.calls))
         return {"index": index, "delta": message, "logprobs": self.logprobs(delta.logprobs),
                 "finish_reason": finish_reason}
 
@@ -142,10 +141,10 @@ class ChatFormat(ResponseFormat):
         finish_reason = whole.finish_reason
         if self.tool_plan is not None:
             parser = self.tool_plan.new_parser()
-            finish_reason = self._message(parser, whole.text, finish_reason or "stop", message)
-            if "tool_calls" in message:
-                message["tool_calls"] = parser.calls  # whole calls, not deltas
-            finish_reason = self.tool_plan.finish_reason(whole.finish_reason, len(parser.calls))
+            self._read_calls(parser, whole.text, True, message)
+            if parser.calls:
+                message["tool_calls"] = parser.calls
+            finish_reason = self.tool_plan.finish_reason(finish_reason, len(parser.calls))
         return {"index": index, "message": message, "logprobs": self.logprobs(whole.logprobs),
                 "finish_reason": finish_reason}
 

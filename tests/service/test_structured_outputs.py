@@ -245,12 +245,14 @@ def test_the_websocket_streams_constrained_json_and_tool_calls(server):
 
 
 def test_a_small_pool_preempts_concurrent_constrained_streams_and_all_validate(model_dir):
-    settings = stories_settings(model_dir, num_blocks=40, max_num_seqs=32)
+    settings = stories_settings(model_dir, num_blocks=32, max_num_seqs=32)
     names = list(SCHEMAS)[:12]
     with run_server(settings) as small:
         results: dict[str, list[str]] = {}
+        start = threading.Barrier(len(names))
 
         def ask(name: str) -> None:
+            start.wait()
             body = {"model": MODEL, "messages": MESSAGES, "n": 3, "temperature": 1.0, "seed": 1,
                     "max_completion_tokens": 200,
                     "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[name]}}}
@@ -262,7 +264,7 @@ def test_a_small_pool_preempts_concurrent_constrained_streams_and_all_validate(m
             thread.start()
         for thread in threads:
             thread.join()
-        assert small.state.bridge.stats["num_preemptions"] > 0
+        assert small.state.bridge.engine.scheduler.num_preemptions > 0  # a count, read once all have ended
         small.wait_idle()
     for name in names:
         for reason, text in results[name]:

@@ -163,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     quick_mode(args.quick)
     pin_threads()
-    repeats, steps, per_run = (2, 8, 3) if args.quick else (5, 32, 10)
+    repeats, steps, per_run = (2, 8, 3) if args.quick else (7, 96, 10)
     tmp = tempfile.TemporaryDirectory(prefix="bench-structured-models-")
     models = {"stories-vocab": make_random_llama(Path(tmp.name) / "llama20m-stories-vocab")}
     try:

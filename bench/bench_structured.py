@@ -16,8 +16,8 @@ read by kernels/token_mask.py); advancing the matchers by the sampled tokens is 
 First token: a real `pagedserve serve`, sequential streamed chat requests, the time to the
 first SSE event: no constraint vs a schema the server has never seen (compiled on the
 request's path) vs one compiled before (a cache hit); arms alternated. The very first
-constrained request after start also builds llguidance's index of the vocabulary: its
-delay is reported on its own.
+constrained request after start is reported on its own (the server indexes the vocabulary
+at start-up, so it should not pay for that).
 
 Results: bench/results/structured.json (and _quick).
 """

@@ -20,7 +20,7 @@ import torch
 
 def allowed_token_ids(bitmask: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:  # per row: int64 [num_allowed]
     """Per bitmask row (int32 [rows, words], CPU), the ids whose bit is set, ascending; one pass for all rows."""
-    words = bitmask.numpy().view(np.uint32)
+    words = bitmask.numpy().view(np.uint32).astype("<u4", copy=False)  # bytes in bit order on any host
     row, word = np.nonzero(words)  # row-major: rows ascending, words ascending within a row
     bits = np.unpackbits(words[row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [nonzero, 32]
     which, bit = np.nonzero(bits)

@@ -248,7 +248,8 @@ class Engine(RequestBuilder):
         if token_id in params.stop_token_ids:
             reason, stop_reason = "stop", token_id
             seq.detokenizer.append_silent()
-        elif token_id in self.eos_token_ids and not params.ignore_eos:
+        elif token_id in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None):
+            # a grammar allows EOS only where it may end: it ends there, whatever ignore_eos says
             reason = "stop"
             seq.detokenizer.append_silent()
         else:

@@ -7,13 +7,13 @@
 Why llguidance (not xgrammar): measured in bench/bench_grammar_engines.py (BENCHMARKS.md
 section 14). On Qwen2's 151,936-token vocabulary it compiles a schema to its first mask
 faster (median 1.1 ms vs 8.1 ms, worst 15 ms vs 34 ms); xgrammar fills a row's mask faster
-(7 us vs 57 us: 0.3 ms vs 1.0 ms for a batch of 32), but either is ~1% of that batch's
-~110 ms step, and llguidance installs with no dependencies where xgrammar pulls in
+(7 us vs 57 us: 0.3 ms vs 1.0 ms for a batch of 32), but either is under 1% of that batch's
+~140 ms step, and llguidance installs with no dependencies where xgrammar pulls in
 transformers and triton (and its own CPU mask kernel took 19 ms for those 32 rows). The bitmask is read by our own kernel
 (kernels/token_mask.py: the allowed ids), whichever engine fills it.
 
 A compiled grammar is a pristine matcher; a sequence's matcher is its copy (~10 us), so a
-fork (n > 1) copies its parent's state and a cache hit costs nothing but the copy.
+fork (n > 1) copies its parent's state and a cache hit skips the compile.
 """
 
 from __future__ import annotations
@@ -146,23 +146,24 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer; an LRU cache keyed by the constraint.
 
     Thread-safe: the service compiles on a worker thread, never on the event loop or the
-    engine thread. Raises InvalidRequestError (the spec's param) for a constraint the
+    engine thread (only cached() runs there). Raises InvalidRequestError (the spec's param) for a constraint the
     engine cannot compile.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
-        self._llg: llguidance.LLTokenizer | None = None  # built by the first compile (~1 s for 150k tokens)
+        self._llg: llguidance.LLTokenizer | None = None  # built by warm_up() or the first compile
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (held for microseconds: cached() runs on the event loop)
+        self._index_lock = threading.Lock()  # building the vocabulary index (held for up to a second)
         self.num_compiled = 0  # cache misses, for tests and the bench
 
     def warm_up(self) -> None:
-        """Build the index of the vocabulary now (what the first compile would: 0.9 s for 150k tokens)."""
-        with self._lock:
+        """Build the index of the vocabulary now (the service does at start-up: 0.9 s for 150k tokens)."""
+        with self._index_lock:
             if self._llg is None:
                 self._llg = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos_token_ids)
 

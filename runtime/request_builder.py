@@ -36,7 +36,7 @@ class RequestBuilder:
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler for this tokenizer (its vocabulary index is built by the first compile)."""
+        """The structured-output compiler for this tokenizer (its vocabulary index: warm_up(), or the first compile)."""
         return GrammarCompiler(self.tokenizer, self.limits.vocab_size, list(self.limits.eos_token_ids))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -87,9 +87,5 @@ class SamplingParams:
         return self.temperature <= GREEDY_TEMPERATURE
 
     @property
-    def is_constrained(self) -> bool:
-        return self.structured_outputs is not None
-
-    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from config.settings import TOOL_CALL_PARSERS
 from service.logs import configure_logging
 
 
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="embedded: run the engine here (default); dynamo: send requests to workers")
     srv.add_argument("--routing", choices=["kv", "round_robin", "random"], default=None,
                      help="with --router dynamo: Dynamo's KV-aware router (default), or round robin, or random")
-    srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=None,
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                      help="how tool_choice auto reads calls from the output (default: auto, from the chat template)")
     srv.set_defaults(func=_serve)
 

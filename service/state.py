@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from config import Settings
+from runtime.errors import InvalidRequestError
 from runtime.grammar import CompiledGrammar
 from runtime.structured_outputs import StructuredOutputs
 from service.billing.journal import UsageJournal
@@ -40,6 +41,7 @@ class ServiceState:
     num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
+    compiling: dict = field(default_factory=dict)  # constraint cache key -> its compile in flight
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, keeping a reference until it ends."""
@@ -60,9 +62,17 @@ class ServiceState:
             return None
         compiler = self.engine.grammars
         compiled = compiler.cached(spec)
-        if compiled is None:
-            compiled = await asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
-        return compiled
+        if compiled is not None:
+            return compiled
+        key = spec.cache_key()
+        pending = self.compiling.get(key)  # the same new schema from many requests at once: compiled once
+        if pending is None:
+            pending = self.compiling[key] = asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
+            pending.add_done_callback(lambda _: self.compiling.pop(key, None))
+        try:
+            return await asyncio.shield(pending)
+        except InvalidRequestError as exc:  # one compile, but each request names its own field
+            raise InvalidRequestError(exc.message, param=spec.param, code=exc.code) from exc
 
     def encode_prefix(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -12,7 +12,7 @@ from service.api.formatting import ChatFormat, CompletionFormat
 from service.api.generation import ChoiceAccumulator, Generation, new_request_id
 from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
-from service.api.tools import hermes_system_prompt, plan_tools
+from service.api.tools import fallback_system_prompt, plan_tools
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -29,12 +29,14 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     state.check_model(body.model)
     template = state.tokenizer.chat_template
     server = state.settings.server
-    plan = plan_tools(body, template.source, server.tool_call_parser, server.max_tool_calls)
+    requested = body.output_constraint()
+    plan = plan_tools(body, template.source, server.tool_call_parser, server.max_tool_calls, requested)
     messages = body.message_dicts()
-    if plan is not None and template.is_fallback:  # no template to show the tools: a system message does
-        messages = [{"role": "system", "content": hermes_system_prompt(plan.tools)}, *messages]
+    described = fallback_system_prompt(plan) if plan is not None and template.is_fallback else None
+    if described is not None:  # no template to show the tools: a system message does
+        messages = [{"role": "system", "content": described}, *messages]
     prompt = state.tokenizer.apply_chat_template(messages, tools=plan.tools if plan is not None else None)
-    constraint = (plan.constraint() if plan is not None else None) or body.output_constraint()
+    constraint = (plan.constraint() if plan is not None else None) or requested
     grammar = await state.compile_grammar(constraint)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
@@ -54,10 +56,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tenant = state.authenticate(request)
     body = decode_body(await request.read(), CompletionRequest)
     state.check_model(body.model)
-    prompts = [state.engine.tokenize(p) for p in body.prompts()]
+    given = body.prompts()
+    prompts = [state.engine.tokenize(p) for p in given]
     constraint = body.output_constraint()
     grammar = await state.compile_grammar(constraint)
-    echo_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
+    echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in given] if body.echo else None
     fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs,
                            echo_texts=echo_texts, n=body.n)  # choices per prompt as returned (best_of keeps n)
     return await _respond(request, Generation(state, body, prompts, fmt, tenant, constraint, grammar))

@@ -104,7 +104,8 @@ class ChatFormat(ResponseFormat):
         if last:
             tail, more = parser.finish()
             content, calls = content + tail, calls + more
-        message["content"] = None if self.tool_plan.choice in ("required", "function") else content  # all calls
+        only_calls = self.tool_plan.choice in ("required", "function") or (parser.calls and not content.strip())
+        message["content"] = None if only_calls else content  # OpenAI's null beside calls
         return calls
 
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:

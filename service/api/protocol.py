@@ -248,7 +248,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
             bias[int(key)] = value
         return bias

@@ -12,8 +12,13 @@ fragments joined are exactly the call's `arguments`.
 Formats (which one a model gets: service/api/tools.py):
     hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number, text around
                  them is content (Hermes 2 Pro, Qwen2.5, Qwen3)
-    llama3_json  an output that starts with `{` is calls: {"name": ..., "parameters": {...}},
+    llama3_json  an output that starts with a call, {"name": ..., "parameters": {...}}, is calls
                  separated by `;` (Llama 3.1 / 3.2 / 3.3); any other output is content
+
+In the two free formats only an object naming one of the request's functions is a call;
+anything else (plain JSON, a malformed block, another name) stays content, as written.
+Arguments the model wrote as a JSON string ("arguments": "{\"a\": 1}") are that string's
+text, sent whole once it ends.
     json_array   [{"name": ..., "arguments": {...}}, ...] (tool_choice "required": constrained)
     arguments    the whole output is one named function's arguments (a named tool_choice)
 """
@@ -21,6 +26,7 @@ Formats (which one a model gets: service/api/tools.py):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 
 import msgspec
 
@@ -95,7 +101,7 @@ class _CallObject:
             return None, ""
         if state == "in_key":
             self.raw += char
-            if char == '"' and not self.raw.endswith('\\"'):
+            if char == '"' and _unescaped_quote(self.raw):
                 self.key, self.state = _decode_string(self.raw), "colon"
             return None, ""
         if state == "colon":
@@ -112,7 +118,12 @@ class _CallObject:
             return (name, "") if char in WHITESPACE or char == "," else self._after_value(name, char)
         complete = value.take(char)
         new_arguments = ""
-        if self.key in ARGUMENT_KEYS:
+        if self.key in ARGUMENT_KEYS and value.kind == "string":  # arguments sent as JSON text: held, then decoded
+            self.raw += char
+            if complete:
+                new_arguments = _decode_string(self.raw)
+                self.arguments += new_arguments
+        elif self.key in ARGUMENT_KEYS:
             self.arguments += char
             new_arguments = char
         elif self.key == "name":
@@ -120,6 +131,11 @@ class _CallObject:
         if complete:
             return self._end_value(), new_arguments
         return None, new_arguments
+
+    @property
+    def in_string(self) -> bool:
+        """Inside a key or a string value (where a close tag is text, not the end of the block)."""
+        return self.state == "in_key" or (self.state == "value" and self.value.in_string)
 
     def _after_value(self, name: str | None, char: str) -> tuple[str | None, str]:
         if char == "}":
@@ -134,6 +150,12 @@ class _CallObject:
         return None
 
 
+def _unescaped_quote(raw: str) -> bool:
+    """True if the quote that ends `raw` is not escaped (an even run of backslashes before it)."""
+    run = len(raw) - 1 - len(raw[:-1].rstrip("\\"))
+    return run % 2 == 0
+
+
 def _decode_string(raw: str) -> str:
     try:
         value = msgspec.json.decode(raw)
@@ -143,9 +165,14 @@ def _decode_string(raw: str) -> str:
 
 
 class ToolCallParser:
-    """Shared bookkeeping: the calls so far and the deltas they produce."""
+    """Shared bookkeeping: the calls so far and the deltas they produce.
 
-    def __init__(self) -> None:
+    With `names` (the request's functions), an object whose name is not one of them is not a
+    call: its text is content. So is an object that closes without a name.
+    """
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = set(names) if names is not None else None
         self.calls: list[dict] = []  # OpenAI's message.tool_calls entries, growing
         self.content = ""  # the text that is not calls
         self._object: _CallObject | None = None
@@ -161,11 +188,14 @@ class ToolCallParser:
         self._object = _CallObject()
         self._pending_arguments = ""
 
-    def _feed_object(self, char: str, deltas: list[dict]) -> bool:
-        """One character into the current call object; True once the object has closed."""
+    def _feed_object(self, char: str, deltas: list[dict]) -> str:
+        """One character into the current call object: "open", "closed" (a call ended) or "rejected" (not a call)."""
         obj = self._object
         name, arguments = obj.feed(char)
         if name is not None:
+            if self.names is not None and name not in self.names:
+                self._object = None
+                return "rejected"
             call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
             self.calls.append(call)
             deltas.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
@@ -178,8 +208,17 @@ class ToolCallParser:
                 self._add_arguments(arguments, deltas)
         if obj.done:
             self._object = None
-            return True
-        return False
+            return "closed" if obj.name is not None else "rejected"
+        return "open"
+
+    def _feed_calls(self, char: str, deltas: list[dict]) -> str:
+        """A character of `call, call, ...` text: into the open call, or "{" opens the next; else "outside"."""
+        if self._object is not None:
+            return self._feed_object(char, deltas)
+        if char == "{":
+            self._start_call()
+            return self._feed_object(char, deltas)
+        return "outside"
 
     def _add_arguments(self, text: str, deltas: list[dict]) -> None:
         self.calls[-1]["function"]["arguments"] += text
@@ -219,26 +258,27 @@ class JsonArrayParser(ToolCallParser):
     def feed(self, text: str) -> tuple[str, list[dict]]:
         deltas: list[dict] = []
         for char in text:
-            if self._object is not None:
-                self._feed_object(char, deltas)
-            elif not self._opened:
+            if self._opened:
+                self._feed_calls(char, deltas)
+            else:
                 self._opened = char == "["
-            elif char == "{":
-                self._start_call()
-                self._feed_object(char, deltas)
         return "", deltas
 
 
 class HermesParser(ToolCallParser):
-    """Content with `<tool_call>{...}</tool_call>` blocks in it."""
+    """Content with `<tool_call>{...}</tool_call>` blocks in it.
+
+    A block that holds no call of a known function (not JSON, no name, another name) is
+    content, as written; a block whose object lacks its last brace ends at its close tag.
+    """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._held = ""  # text that may be the start of a tag
-        self._in_call = False
-        self._closing = False  # the object ended: skipping to the close tag
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        super().__init__(names)
+        self._held = ""  # text that may be the start of an open tag
+        self._block: str | None = None  # the current block's text after its open tag, None outside blocks
+        self._calls_before = 0  # calls made before the current block
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         content, deltas = [], []
@@ -246,69 +286,79 @@ class HermesParser(ToolCallParser):
         self._held = ""
         i = 0
         while i < len(text):
-            if self._in_call:
-                if self._closing:
-                    end = text.find(self.CLOSE, i)
-                    if end < 0:
-                        self._held = _partial_suffix(text[i:], self.CLOSE)
-                        break
-                    i, self._in_call, self._closing = end + len(self.CLOSE), False, False
-                    continue
-                if self._feed_object(text[i], deltas):
-                    self._closing = True
-                i += 1
+            if self._block is None:
+                start = text.find(self.OPEN, i)
+                if start < 0:
+                    held = _partial_suffix(text[i:], self.OPEN)
+                    content.append(text[i : len(text) - len(held)])
+                    self._held = held
+                    break
+                content.append(text[i:start])
+                i, self._block, self._calls_before = start + len(self.OPEN), "", len(self.calls)
+                self._start_call()
                 continue
-            start = text.find(self.OPEN, i)
-            if start < 0:
-                held = _partial_suffix(text[i:], self.OPEN)
-                content.append(text[i : len(text) - len(held)])
-                self._held = held
+            char = text[i]
+            i += 1
+            self._block += char
+            if self._object is not None:
+                self._feed_object(char, deltas)
+            if self._block.endswith(self.CLOSE) and not (self._object is not None and self._object.in_string):
+                content.append(self._end_block())
+        out = "".join(content)
+        self.content += out
+        return out, deltas
+
+    def _end_block(self) -> str:
+        """Close the current block: "" if it made a call, else its text (it was content)."""
+        block, self._block, self._object = self._block, None, None
+        return "" if len(self.calls) > self._calls_before else self.OPEN + block
+
+    def finish(self) -> tuple[str, list[dict]]:
+        tail = self._end_block() if self._block is not None else self._held
+        self._held = ""
+        self.content += tail
+        return tail, []
+
+
+class Llama3JsonParser(ToolCallParser):
+    """An output that starts with a call object is `;`-separated calls; any other output is content.
+
+    Text is held until the first object names a known function; an object that does not, and
+    any text after the calls that is not another call, turn the rest into content.
+    """
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        super().__init__(names)
+        self._content_mode = False
+        self._held = ""  # text not yet known to be calls or content
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content, deltas = [], []
+        for i, char in enumerate(text):
+            if self._content_mode:
+                content.append(text[i:])
                 break
-            content.append(text[i:start])
-            i, self._in_call = start + len(self.OPEN), True
-            self._start_call()
+            if self._object is None or self._object.name is None:
+                self._held += char
+            status = self._feed_calls(char, deltas)
+            if self._object is not None and self._object.name is not None:
+                self._held = ""  # committed: a call of a known function
+            if status == "rejected" or (status == "outside" and char not in WHITESPACE and char != ";"):
+                self._content_mode = True
+                content.append(self._held)
+                self._held = ""
+            elif status == "closed":
+                self._held = ""
         out = "".join(content)
         self.content += out
         return out, deltas
 
     def finish(self) -> tuple[str, list[dict]]:
-        held, self._held = ("", "") if self._in_call else (self._held, "")
+        held, self._held = self._held, ""
+        if self.calls and not held.strip(WHITESPACE + ";"):
+            held = ""  # separators after the last call
         self.content += held
         return held, []
-
-
-class Llama3JsonParser(ToolCallParser):
-    """An output that starts with `{` is `;`-separated calls; anything else is content."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mode = ""  # "", "calls" or "content"
-        self._leading = ""
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        deltas: list[dict] = []
-        if self._mode == "":
-            self._leading += text
-            stripped = self._leading.lstrip(WHITESPACE)
-            if not stripped:
-                return "", deltas
-            self._mode = "calls" if stripped.startswith("{") else "content"
-            text, self._leading = (stripped if self._mode == "calls" else self._leading), ""
-        if self._mode == "content":
-            self.content += text
-            return text, deltas
-        for char in text:
-            if self._object is not None:
-                self._feed_object(char, deltas)
-            elif char == "{":
-                self._start_call()
-                self._feed_object(char, deltas)
-        return "", deltas
-
-    def finish(self) -> tuple[str, list[dict]]:
-        leading, self._leading = self._leading, ""
-        self.content += leading
-        return leading, []
 
 
 def _partial_suffix(text: str, tag: str) -> str:

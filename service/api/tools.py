@@ -13,8 +13,9 @@
 only valid calls. "auto" relies on the model writing its template's call format; the format
 is the server's `tool_call_parser` setting, or, when that is "auto", read from the chat
 template: a template that mentions `<tool_call>` is Hermes / Qwen; one that mentions
-`<|python_tag|>` or `"parameters"` is Llama 3 JSON; anything else (no template at all
-included) gets the tools described in a system message in Hermes' format and is read as Hermes.
+`<|python_tag|>` or `"parameters"` is Llama 3 JSON; any other is read as Hermes. A model
+with no template at all gets the tools in a system message (`fallback_system_prompt`) that
+asks for the format its tool_choice will read; a template that ignores `tools` shows none.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from runtime.sampling_params import InvalidRequestError, StructuredOutputs
 from service.api.protocol import NAME_PATTERN, ChatCompletionRequest
 from service.api.tool_parsers import PARSERS, ArgumentsParser, JsonArrayParser, ToolCallParser
 
-TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json")
 ANY_OBJECT = {"type": "object"}
 
 
@@ -40,13 +40,19 @@ def template_format(template_source: str | None) -> str:
     return "hermes"
 
 
-def hermes_system_prompt(tools: list[dict]) -> str:
-    """Tools described for a model whose template cannot show them (Hermes' call format)."""
-    lines = ["You can call these functions. To call one, write",
-             '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>',
-             "Functions:"]
-    lines += [json.dumps(tool["function"]) for tool in tools]
-    return "\n".join(lines)
+def fallback_system_prompt(plan: ToolPlan) -> str | None:
+    """The tools described for a model with no chat template, in the form its tool_choice reads (None: "none")."""
+    if plan.choice == "none":
+        return None
+    if plan.choice == "function":
+        [tool] = [t for t in plan.tools if t["function"]["name"] == plan.function_name]
+        return f"Answer with the arguments object of this function:\n{json.dumps(tool['function'])}"
+    if plan.choice == "required":
+        lines = ['Answer with a JSON array of calls, [{"name": <function name>, "arguments": <arguments object>}]:']
+    else:
+        lines = ["You can call these functions. To call one, write",
+                 '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>']
+    return "\n".join([*lines, "Functions:", *(json.dumps(tool["function"]) for tool in plan.tools)])
 
 
 @dataclass
@@ -79,7 +85,7 @@ class ToolPlan:
         if self.choice == "required":
             return JsonArrayParser()
         if self.choice == "auto":
-            return PARSERS[self.call_format]()
+            return PARSERS[self.call_format]([t["function"]["name"] for t in self.tools])
         return None
 
     def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
@@ -90,8 +96,12 @@ class ToolPlan:
 
 
 def plan_tools(body: ChatCompletionRequest, template_source: str | None, configured_format: str,
-               max_calls: int = 16) -> ToolPlan | None:
-    """The request's ToolPlan (None without tools); raises InvalidRequestError naming the field."""
+               max_calls: int = 16, output_constraint: StructuredOutputs | None = None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); raises InvalidRequestError naming the field.
+
+    `configured_format` is server.tool_call_parser (checked by the settings); `output_constraint`
+    the body's own (response_format, guided_*), which a constrained tool_choice cannot share.
+    """
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
@@ -127,14 +137,12 @@ def plan_tools(body: ChatCompletionRequest, template_source: str | None, configu
             raise InvalidRequestError(f"tool_choice names {function_name!r}, which is not among the tools",
                                       param="tool_choice")
         choice = "function"
-    if choice in ("required", "function") and body.output_constraint() is not None:
+    if choice in ("required", "function") and output_constraint is not None:
         raise InvalidRequestError("response_format (or a guided_* constraint) cannot apply when the output must be a "
                                   "tool call", param="response_format")
-    if choice == "auto" and body.output_constraint() is not None:
+    if choice == "auto" and output_constraint is not None:
         raise InvalidRequestError("tool_choice \"auto\" with response_format is not supported: give tool_choice "
                                   "\"none\" or \"required\"", param="response_format")
-    if configured_format not in TOOL_CALL_FORMATS:
-        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_FORMATS}, got {configured_format!r}")
     call_format = template_format(template_source) if configured_format == "auto" else configured_format
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
     return ToolPlan(tools, choice, function_name, parallel, call_format, max_calls)

@@ -59,9 +59,10 @@ class Worker:
         try:
             params = wire.params_of(call)
             grammar = None
-            if params.structured_outputs is not None:  # compiled off this loop, as the front door does
-                grammar = await asyncio.get_running_loop().run_in_executor(
-                    None, self.engine.grammars.compile, params.structured_outputs)
+            spec = params.structured_outputs
+            if spec is not None:  # compiled off this loop, as the front door does
+                grammar = self.engine.grammars.cached(spec) or await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.grammars.compile, spec)
             request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
                                                   wire.salt_bytes(call.cache_salt),
                                                   call.num_shared_blocks * self.engine.block_size, grammar=grammar)

@@ -141,3 +141,44 @@ def test_a_token_of_probability_zero_is_never_drawn():
     sampler = Sampler()
     drawn = {sampler(logits, [seq])[0][0] for _ in range(2000)}
     assert drawn == {0, 63}
+
+
+class _AllowOnly:
+    """A stand-in grammar matcher that allows a fixed set of token ids."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = [0] * bitmask.shape[1]
+        for t in self.ids:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor(words, dtype=torch.int64).to(torch.uint32).view(torch.int32)
+
+
+def test_a_constrained_row_draws_only_allowed_ids_greedy_or_not_and_others_are_untouched(monkeypatch):
+    import runtime.sampler
+    from runtime.sampler import Sampler
+
+    def fill_each(matchers, bitmask):  # llguidance's batch fill needs real matchers: fill the stand-ins one by one
+        for j, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, j)
+
+    monkeypatch.setattr(runtime.sampler, "fill_bitmasks", fill_each)
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=generator)
+    allowed = [3, 77, 250]
+    greedy = make_seq("g", [0], temperature=0.0)
+    sampled = make_seq("s", [0], temperature=1.0, seed=2, repetition_penalty=1.3)
+    free = make_seq("f", [0], temperature=0.0)
+    empty = make_seq("e", [0], temperature=0.0)
+    greedy.grammar, sampled.grammar, empty.grammar = _AllowOnly(allowed), _AllowOnly(allowed), _AllowOnly([])
+    sampler = Sampler()
+    for _ in range(50):
+        tokens, _ = sampler(logits, [greedy, sampled, free, empty])
+        assert tokens[0] == allowed[int(logits[0, allowed].argmax())]
+        assert tokens[1] in allowed
+        assert tokens[2] == int(logits[2].argmax()) and tokens[3] == int(logits[3].argmax())  # empty: unconstrained
+    mixed, _ = sampler(logits[:2], [free, greedy])  # the greedy fast path with a constrained row in it
+    assert mixed == [int(logits[0].argmax()), allowed[int(logits[1, allowed].argmax())]]

@@ -49,14 +49,14 @@ def test_every_official_field_has_exactly_one_answer(kind):
     assert all(answer in (SUPPORTED, IGNORED, REFUSED) for answer, _ in TABLES[kind].values())
 
 
-def test_the_readme_table_is_the_code_table():
-    rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| ([^|]*) \|$", README.read_text(), re.M)
-    readme = {}
-    for name, answer, why in rows:
-        readme.setdefault(name, []).append((answer.strip(), why.strip()))
-    for kind, table in TABLES.items():
-        for name, entry in table.items():
-            assert entry in readme[name], (kind, name)
+def test_the_readme_tables_are_the_code_tables():
+    text = README.read_text()
+    for kind, title in (("chat", "chat field"), ("message", "message field"), ("completions", "completions field")):
+        block = text[text.index(f"| {title} | answer | notes |"):]
+        block = block[: block.index("\n\n")]
+        rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| ([^|]*) \|$", block, re.M)
+        assert {name: (answer.strip(), why.strip()) for name, answer, why in rows} == TABLES[kind], kind
+        assert len(rows) == len(TABLES[kind]), kind
 
 
 @pytest.mark.parametrize("path, body, table", [("/v1/chat/completions", CHAT, CHAT_FIELDS),
@@ -102,6 +102,9 @@ def test_supported_completion_fields_echo_best_of_and_logit_bias(server, golden)
     streamed = client.completions.create(model=MODEL, prompt=case["prompt"], max_tokens=10, temperature=0, echo=True,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+    several = client.completions.create(model=MODEL, prompt=["Once upon", "The dog"], max_tokens=3, n=2,
+                                        temperature=1.0, seed=1, echo=True)
+    assert [c.text.split(" ")[0] for c in several.choices] == ["Once", "Once", "The", "The"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)
 

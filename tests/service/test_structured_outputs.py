@@ -17,6 +17,7 @@ import pytest
 import requests
 import websockets.sync.client
 
+from service.api.protocol import ChatCompletionRequest, decode_body
 from tests.service.conftest import run_server, stories_settings
 from tests.structured.schema_battery import SCHEMAS
 
@@ -118,12 +119,11 @@ def test_json_schema_streamed_with_several_samples_validates(client):
 
 
 def test_json_object_and_vllm_guided_fields_on_both_endpoints(client):
-    completion = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=2,
+    completion = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=2, n=8,
                                                 max_completion_tokens=200, response_format={"type": "json_object"})
-    if completion.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(completion.choices[0].message.content), dict)
-    else:
-        assert completion.choices[0].message.content.startswith("{")
+    ended = [c for c in completion.choices if c.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(c.message.content), dict) for c in ended)
+    assert all(c.finish_reason in ("stop", "length") and c.message.content.startswith("{") for c in completion.choices)
     regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, n=3,
                                       extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
     assert all(len(c.text) == 6 and c.text[3] == "-" and c.text[:3].isupper() for c in regex.choices)
@@ -205,10 +205,8 @@ def test_auto_renders_the_tools_and_a_tool_conversation_into_the_prompt(server, 
     answered = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER],
                                               max_completion_tokens=4, temperature=0)
     assert answered.usage.prompt_tokens > with_tools.usage.prompt_tokens
-    rendered = server.state.tokenizer.chat_template.render(
-        [m if m.get("role") != "assistant" else {**m, "tool_calls": [{"function": {
-            "name": "get_weather", "arguments": {"location": "Paris"}}}]} for m in conversation], True,
-        [{"type": "function", "function": WEATHER["function"]}])
+    body = decode_body(json.dumps({"model": MODEL, "messages": conversation}).encode(), ChatCompletionRequest)
+    rendered = server.state.tokenizer.chat_template.render(body.message_dicts(), True, [WEATHER])
     assert '<tool_call>{"arguments": {"location": "Paris"}, "name": "get_weather"}</tool_call>' in rendered
     assert "<tool_response>sunny, 21 C</tool_response>" in rendered and '"get_weather"' in rendered
 

@@ -102,13 +102,14 @@ def test_regex_choice_and_grammars(random_checkpoints):
 def test_json_object_is_an_object_and_max_tokens_truncates_with_length(random_checkpoints):
     engine = _engine(random_checkpoints["llama-gqa"])
     spec = StructuredOutputs(json_object=True)
-    [whole] = engine.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+    [whole] = engine.generate([PROMPT], SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
                                                        structured_outputs=spec))
-    for sample in whole.outputs:
-        if sample.finish_reason == "stop":
-            assert isinstance(json.loads(sample.text), dict)
-        else:  # a noise model may nest without end: then the budget ends it, and says so
-            assert sample.finish_reason == "length" and sample.text.startswith("{")
+    ended = [s for s in whole.outputs if s.finish_reason == "stop"]
+    assert ended  # some samples close their object
+    for sample in ended:
+        assert isinstance(json.loads(sample.text), dict)
+    for sample in whole.outputs:  # a noise model may nest without end: then the budget ends it, and says so
+        assert sample.finish_reason in ("stop", "length") and sample.text.startswith("{")
     schema = SCHEMAS["many_fields"]
     [cut] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5,
                                                      structured_outputs=StructuredOutputs(json=schema)))

@@ -91,3 +91,38 @@ def test_the_call_format_is_read_from_the_template():
     assert template_format("... <tool_call>{{ tool | tojson }}</tool_call> ... \"parameters\"") == "hermes"
     assert template_format("{{- '<|python_tag|>' }} ... {\"name\": ..., \"parameters\": ...}") == "llama3_json"
     assert template_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "hermes"
+
+
+NAMES = ["get_weather", "search", "noop"]
+
+
+@pytest.mark.parametrize("make, text, content, expected", [
+    # plain JSON, not a call: the answer stays content
+    (Llama3JsonParser, '{"answer": 42, "unit": "m"}', '{"answer": 42, "unit": "m"}', []),
+    (Llama3JsonParser, '{"name": "Paris", "population": 2}', '{"name": "Paris", "population": 2}', []),
+    (Llama3JsonParser, '{"name": "noop", "parameters": {}} and that is all', " and that is all",
+     [("noop", {})]),
+    # a block that is not a call is content; one missing its last brace still ends at its tag
+    (HermesParser, "<tool_call>oops</tool_call> then text", "<tool_call>oops</tool_call> then text", []),
+    (HermesParser, '<tool_call>{"name": "search", "arguments": {"query": "a"}</tool_call>'
+                   '<tool_call>{"name": "noop", "arguments": {}}</tool_call>', "",
+     [("search", {"query": "a"}), ("noop", {})]),
+    (HermesParser, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>ok',
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>ok', []),
+    (HermesParser, '<tool_call>{"name": "search", "arguments": {"query": "</tool_call>"}}</tool_call>', "",
+     [("search", {"query": "</tool_call>"})]),
+    # escapes in keys, and arguments written as a JSON string
+    (HermesParser, '<tool_call>{"x\\\\": 1, "name": "noop", "arguments": "{\\"a\\": 1}"}</tool_call>', "",
+     [("noop", {"a": 1})]),
+])
+def test_malformed_and_foreign_output_stays_content(make, text, content, expected):
+    for pieces in _splits(text):
+        got_content, calls, streamed = _run(make(NAMES), pieces)
+        assert got_content == content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected, pieces
+        assert streamed == calls, pieces
+
+
+def test_a_truncated_block_without_a_name_is_content():
+    content, calls, _ = _run(HermesParser(NAMES), ['Hi <tool_call>{"argu'])
+    assert content == 'Hi <tool_call>{"argu' and calls == []

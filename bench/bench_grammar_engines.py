@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, STORIES, log, machine_info, median, quick_mode, write_result
-from gguf_tokenizer import build_tokenizer_dir
+from common import STORIES, log, machine_info, median, quick_mode, write_result
+from gguf_tokenizer import qwen2_tokenizer_dir
 
 from tests.structured.schema_battery import SCHEMAS
 
@@ -188,7 +188,7 @@ def main() -> None:
     schemas = dict(list(SCHEMAS.items())[:6]) if args.quick else SCHEMAS
     vocabs = [("stories260K", STORIES)]
     try:
-        vocabs.append(("qwen2", build_tokenizer_dir("qwen2", REPO / "bench" / ".models" / "qwen2-tokenizer")))
+        vocabs.append(("qwen2", qwen2_tokenizer_dir()))
     except FileNotFoundError as exc:
         log(f"skipping the Qwen2 vocabulary: {exc}")
     result = {"machine": machine_info(), "batch": 32, "num_schemas": len(schemas),

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import requests
 
-from common import (REPO, STORIES, free_port, log, machine_info, make_random_llama, median, median_of, pin_threads,
+from common import (REPO, free_port, log, machine_info, make_random_llama, median, median_of, pin_threads,
                     quick_mode, run_alternated, start_process, stop_process, wait_http, write_result)
-from gguf_tokenizer import build_tokenizer_dir
+from gguf_tokenizer import qwen2_tokenizer_dir
 
 from runtime import Engine, SamplingParams  # noqa: E402
 from runtime.structured_outputs import StructuredOutputs  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="bench-structured-models-")
     models = {"stories-vocab": make_random_llama(Path(tmp.name) / "llama20m-stories-vocab")}
     try:
-        qwen_tokenizer = build_tokenizer_dir("qwen2", REPO / "bench" / ".models" / "qwen2-tokenizer")
+        qwen_tokenizer = qwen2_tokenizer_dir()
         models["qwen2-vocab"] = make_random_llama(Path(tmp.name) / "llama20m-qwen2-vocab", tokenizer_dir=qwen_tokenizer)
     except FileNotFoundError as exc:
         log(f"skipping the Qwen2 vocabulary: {exc}")

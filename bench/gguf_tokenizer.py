@@ -62,5 +62,10 @@ def build_tokenizer_dir(name: str, out: Path) -> Path:
     return out
 
 
+def qwen2_tokenizer_dir() -> Path:
+    """Qwen2's tokenizer (151,936 tokens), built once into bench/.models/ (git-ignored)."""
+    return build_tokenizer_dir("qwen2", REPO / "bench" / ".models" / "qwen2-tokenizer")
+
+
 if __name__ == "__main__":
     print(build_tokenizer_dir(sys.argv[1], Path(sys.argv[2])))

@@ -63,10 +63,10 @@ class Engine(RequestBuilder):
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         RequestBuilder.__init__(self, tokenizer, RequestLimits(config.vocab_size, self.block_size, self.max_model_len,
                                                                settings.max_num_seqs, self.num_schedulable_blocks,
                                                                tuple(sorted(eos))))
+        self.eos_token_ids = frozenset(self.limits.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         backend = kernels.resolve_backend(settings.kernel_backend, device)

@@ -46,6 +46,9 @@ class Request:
         self.num_shared_blocks = num_shared_blocks  # leading blocks hashed without the salt (shared prefix)
         self.pin_id = pin_id  # set for a pinned-prefix prefill: its full pages stay held when it ends
         self.grammar = grammar  # grammar.CompiledGrammar of params.structured_outputs, compiled before queueing
+        bias = params.logit_bias
+        # params.logit_bias as (token ids int64 [k], biases float32 [k]): made once, added every step
+        self.logit_bias = (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()))) if bias else None
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
         self.sequences: list[Sequence] = []
         self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then

@@ -96,9 +96,9 @@ class Sampler:
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
         for i, seq in enumerate(seqs):
-            if seq.params.logit_bias:
-                bias = seq.params.logit_bias
-                logits[i, torch.tensor(list(bias), dtype=torch.long)] += torch.tensor(list(bias.values()))
+            if seq.request.logit_bias is not None:
+                token_ids, biases = seq.request.logit_bias
+                logits[i, token_ids] += biases
         allowed = self._allowed_ids(logits.shape[1], seqs)  # row -> the ids its grammar allows
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             token_ids = logits.argmax(dim=-1).tolist()

@@ -71,7 +71,7 @@ class ModelLike(Protocol):
     max_model_len: int
     block_size: int
     limits: RequestLimits  # the sizes requests are checked against (max_num_seqs sets admission too)
-    grammars: GrammarCompiler  # structured outputs, compiled off the loop (ServiceState.compile_grammar)
+    grammars: GrammarCompiler  # structured outputs, compiled off the loop (service/grammars.py)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

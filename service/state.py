@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from config import Settings
-from runtime.errors import InvalidRequestError
 from runtime.grammar import CompiledGrammar
 from runtime.structured_outputs import StructuredOutputs
 from service.billing.journal import UsageJournal
 from service.billing.ledger import Ledger
 from service.bridge import Bridge, ModelLike, Tokenizer
 from service.errors import APIError
+from service.grammars import LoopCompiles
 from service.metrics import ServiceMetrics
 from service.pins import PinRegistry
 from service.prefix_index import PrefixIndex
@@ -41,7 +41,10 @@ class ServiceState:
     num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
-    compiling: dict = field(default_factory=dict)  # constraint cache key -> its compile in flight
+    grammar_compiles: LoopCompiles = field(init=False)  # the model's compiler, driven from this loop
+
+    def __post_init__(self) -> None:
+        self.grammar_compiles = LoopCompiles(self.engine.grammars)
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, keeping a reference until it ends."""
@@ -54,25 +57,11 @@ class ServiceState:
         return self.tenants.authenticate(request.headers.get("Authorization"))
 
     async def compile_grammar(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
-        """The compiled grammar of an output constraint: from the cache, else compiled on a worker thread.
+        """The compiled grammar of an output constraint, compiled off the loop (service/grammars.py).
 
         Raises InvalidRequestError (a 400 naming the constraint's field) if it cannot compile.
         """
-        if spec is None:
-            return None
-        compiler = self.engine.grammars
-        compiled = compiler.cached(spec)
-        if compiled is not None:
-            return compiled
-        key = spec.cache_key()
-        pending = self.compiling.get(key)  # the same new schema from many requests at once: compiled once
-        if pending is None:
-            pending = self.compiling[key] = asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
-            pending.add_done_callback(lambda _: self.compiling.pop(key, None))
-        try:
-            return await asyncio.shield(pending)
-        except InvalidRequestError as exc:  # one compile, but each request names its own field
-            raise InvalidRequestError(exc.message, param=spec.param, code=exc.code) from exc
+        return await self.grammar_compiles.compile(spec)
 
     def encode_prefix(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

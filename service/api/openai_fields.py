@@ -91,10 +91,14 @@ MESSAGE_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
+VLLM_IGNORED = ("guided_decoding_backend",)  # vLLM's extras that choose nothing here (one grammar engine)
+
+
 def ignored_fields(body, table: dict[str, tuple[str, str]]) -> list[str]:
-    """The IGNORED fields `body` set (not null), in table order."""
+    """The IGNORED fields `body` set (not null), in table order, then vLLM's ignored extras."""
     ignored = [name for name, (answer, _) in table.items()
                if answer == IGNORED and getattr(body, name, None) is not None]
+    ignored += [name for name in VLLM_IGNORED if getattr(body, name, None) is not None]
     options = getattr(body, "stream_options", None)
     if options is not None and options.include_obfuscation is not None:
         ignored.append("stream_options.include_obfuscation")

@@ -186,7 +186,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None  # vLLM's backend choice: one engine here (llguidance), ignored
+    guided_decoding_backend: str | None = None  # vLLM's backend choice: one engine here; ignored, and said so
 
     fields_table: ClassVar[dict] = {}
 
@@ -220,7 +220,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def picks_best(self) -> bool:
-        return False
+        """More samples than choices (completions' best_of > n): the n with the highest logprob per token are returned."""
+        return self.samples_per_prompt > self.n
 
     def output_constraint(self) -> StructuredOutputs | None:
         """The output's constraint from response_format, structured_outputs or guided_* (at most one)."""
@@ -387,10 +388,6 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
     def samples_per_prompt(self) -> int:
         return self.n if self.best_of is None else self.best_of
 
-    @property
-    def picks_best(self) -> bool:
-        """best_of > n: the n samples with the highest logprob per token are returned."""
-        return self.samples_per_prompt > self.n
 
     def requested_logprobs(self) -> int | None:
         if self.logprobs is None and self.picks_best:

@@ -26,6 +26,7 @@ from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
 from service.distributed.kv_publisher import DynamoKvPublisher
+from service.grammars import LoopCompiles
 from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.streams import RequestStream
 
@@ -41,6 +42,7 @@ class Worker:
         self.engine = engine
         self.bridge = bridge
         self.model_name = model_name
+        self.grammars = LoopCompiles(engine.grammars)
 
     async def handle(self, request, context):
         """Dynamo's handler: one call in, its frames out (builtins)."""
@@ -58,11 +60,7 @@ class Worker:
     async def _generate(self, call: wire.Generate, context):
         try:
             params = wire.params_of(call)
-            grammar = None
-            spec = params.structured_outputs
-            if spec is not None:  # compiled off this loop, as the front door does
-                grammar = self.engine.grammars.cached(spec) or await asyncio.get_running_loop().run_in_executor(
-                    None, self.engine.grammars.compile, spec)
+            grammar = await self.grammars.compile(params.structured_outputs)  # off this loop, as the front door
             request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
                                                   wire.salt_bytes(call.cache_salt),
                                                   call.num_shared_blocks * self.engine.block_size, grammar=grammar)

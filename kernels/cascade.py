@@ -10,11 +10,15 @@ pages separately; the two partial results merge exactly through their log-sum-ex
 
     out = (exp(lse_s) * out_s + exp(lse_p) * out_p) / (exp(lse_s) + exp(lse_p))
 
-A sequence in no group has only a private part: that is the per-sequence paged path. Private
-parts are padded per bucket of rows of similar length, not all to the longest row: one long
-sequence in a batch of short ones would otherwise multiply the pages copied and attended.
-Both parts use torch's CPU flash-attention kernel with a decode trick for grouped-query attention:
-the query heads that share a KV head are that head's query rows, so K/V are never repeated.
+A sequence in no group has only a private part: that is the per-sequence paged path. The
+private parts go through the C++ kernel (kernels/cpu_attention.py), which reads every row's
+positions [start, end) from its pages in place, one call per layer for the whole batch. Where
+that kernel cannot build, they go through torch's CPU flash attention instead, gathered and
+padded per bucket of rows of similar length, not all to the longest row: one long sequence in
+a batch of short ones would otherwise multiply the pages copied and attended. The shared part
+always uses flash attention with a decode trick for grouped-query attention: the query heads
+that share a KV head are that head's query rows, so K/V are never repeated, and a group's
+members are the rows of one product over the prefix.
 
 The plan (which rows share which pages) is computed once per step from the block tables
 (`plan_decode`) and used by every layer. kernels/reference.py stays the oracle.
@@ -25,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels import cpu_attention
 
 MIN_SHARED_PAGES = 2  # a shorter common prefix is cheaper read per sequence
 BUCKET_CALL_PAGES = 24  # what one more flash call per layer costs, in (row x page) units of padding
@@ -65,20 +71,37 @@ class PrivateBucket:
 
 
 @dataclass
+class NativeRows:
+    """Every decode row's private positions, for the C++ kernel: read from the full tables in place."""
+
+    tables: torch.Tensor  # int32 [num_seqs, max_blocks]; each row's whole page table, padded with 0
+    starts: torch.Tensor  # int32 [num_seqs]; first private position (past the shared prefix and the window)
+    ends: torch.Tensor  # int32 [num_seqs]; the context length
+    first_pages: list[int]  # per row: its first private page (the shared prefix's length in pages)
+    num_pages: list[int]  # per row: the pages of its table
+
+
+@dataclass
 class DecodePlan:
-    """Per step: every decode row's private pages (in buckets), and the groups that read a shared prefix."""
+    """Per step: every decode row's private part (native rows or buckets), and the groups that read a shared prefix."""
 
     num_seqs: int
-    private: list[PrivateBucket]
+    private: list[PrivateBucket]  # empty when `native` holds the private parts
     groups: list[PrefixGroup] = field(default_factory=list)
     shared: SharedPrefixes | None = None  # the groups, batched; None without groups
+    native: NativeRows | None = None  # the C++ kernel's rows; None: the buckets
 
     @property
     def num_shared_rows(self) -> int:
         return sum(len(g.rows) for g in self.groups)
 
     def private_pages(self, row: int) -> list[int]:
-        """The pages decode row `row` reads on its own (its bucket's padding left out)."""
+        """The pages decode row `row` reads on its own (padding left out)."""
+        if self.native is not None:
+            if not 0 <= row < self.num_seqs:
+                raise ValueError(f"row {row} is not in a plan for {self.num_seqs} rows")
+            table = self.native.tables[row].tolist()
+            return table[self.native.first_pages[row] : self.native.num_pages[row]]
         for bucket in self.private:
             rows = list(range(self.num_seqs)) if bucket.rows is None else bucket.rows.tolist()
             if row in rows:
@@ -103,8 +126,12 @@ def plan_decode(
     device: torch.device | None = None,
     min_shared_pages: int = MIN_SHARED_PAGES,
     bucket_call_pages: int = BUCKET_CALL_PAGES,
+    native: bool | None = None,
 ) -> DecodePlan:
     """Group decode rows by the physical pages their tables start with.
+
+    `native`: whether the private parts go through the C++ kernel; None: wherever it is
+    available for CPU tensors.
 
     Sorting the tables puts rows with a common prefix next to each other; walking them in
     that order, a row joins the group before it while that saves page reads (the group's
@@ -139,9 +166,26 @@ def plan_decode(
             groups.append((tables[rows[0]][:num_pages], sorted(rows)))
             for i in rows:
                 shared_pages[i] = num_pages
+    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # [num_seqs]
+    plan_groups = [PrefixGroup(pages, rows) for pages, rows in groups]
+    shared = _batch_groups(plan_groups, lens, block_size, sliding_window, device) if groups else None
+    if native is None:
+        native = (device is None or torch.device(device).type == "cpu") and cpu_attention.available()
+    if native:
+        width = max((len(t) for t in tables), default=0)
+        starts = [s * block_size if sliding_window is None else max(s * block_size, n - sliding_window)
+                  for s, n in zip(shared_pages, context_lens)]
+        rows = NativeRows(
+            tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                device=device).reshape(num_seqs, width),
+            starts=torch.tensor(starts, dtype=torch.int32, device=device),
+            ends=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            first_pages=shared_pages,
+            num_pages=[len(t) for t in tables],
+        )
+        return DecodePlan(num_seqs, [], plan_groups, shared, rows)
     private = [table[shared:] for table, shared in zip(tables, shared_pages)]
     starts = torch.tensor(shared_pages, dtype=torch.int64, device=device) * block_size  # [num_seqs]
-    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)  # [num_seqs]
     buckets = []
     for rows in bucket_rows([len(p) for p in private], bucket_call_pages):
         width = max((len(private[r]) for r in rows), default=0)
@@ -156,8 +200,6 @@ def plan_decode(
             visible &= positions >= row_lens[:, None] - sliding_window
         buckets.append(PrivateBucket(index, bucket_tables, _bias(visible)[:, None, None, :],
                                      [len(private[r]) for r in rows]))
-    plan_groups = [PrefixGroup(pages, rows) for pages, rows in groups]
-    shared = _batch_groups(plan_groups, lens, block_size, sliding_window, device) if groups else None
     return DecodePlan(num_seqs, buckets, plan_groups, shared)
 
 
@@ -263,7 +305,15 @@ def cascade_decode_attention(
         raise ValueError(f"plan for {plan.num_seqs} rows, but {num_seqs} queries")
     group_size = num_q_heads // num_kv_heads
     q_rows = q.float().reshape(num_seqs, num_kv_heads, group_size, head_dim)  # heads of one KV head as rows
-    if len(plan.private) == 1 and plan.private[0].rows is None:
+    if plan.native is not None:
+        rows = plan.native
+        out_n, lse_n = cpu_attention.paged_decode_attention(q, k_cache, v_cache, rows.tables, rows.starts, rows.ends,
+                                                            scale)  # [num_seqs, num_q_heads, head_dim], [num_seqs, num_q_heads]
+        if plan.shared is None:
+            return out_n
+        out = out_n.float().view(num_seqs, num_kv_heads, group_size, head_dim)
+        lse = lse_n.view(num_seqs, num_kv_heads, group_size)
+    elif len(plan.private) == 1 and plan.private[0].rows is None:
         out, lse = _private_attention(q_rows, k_cache, v_cache, plan.private[0], scale)
     else:
         out = q_rows.new_empty(q_rows.shape)

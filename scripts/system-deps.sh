@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the system packages the tests need (redis-server, Chromium and its driver) when
+# Installs the system packages the tests need (redis-server, Chromium and its driver, g++) when
 # they are missing. As root it runs apt-get; otherwise it prints the one command to run and
 # exits 1. `make setup` and .ci/run call it; it does nothing when everything is there.
 set -euo pipefail
@@ -8,6 +8,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)  # builds the C++ CPU attention kernel
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of lm_head, once packed
         self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
 
     def place(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -116,8 +117,10 @@ class LlamaForCausalLM(nn.Module):
         """On the CPU, add oneDNN's packed layout of the layers' matmul weights (runtime/model/linear.py).
 
         The last step of loading (the packed copies do not follow later changes to the
-        weights). Builds the packed path's primitives too. Embeddings and the LM head stay
-        as they are. Returns whether anything was packed.
+        weights). Builds the packed path's primitives too. The LM head gets a packed copy as
+        well (tied or not: the embedding lookup keeps the dense table); its primitives are
+        built on first use of each row count, as its matmul dwarfs the build. Returns whether
+        anything was packed.
         """
         packed = []
         for layer in self.layers:
@@ -128,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 setattr(module, f"{name}_packed", linear.pack(weight))
                 packed.append((weight, getattr(module, f"{name}_bias"), getattr(module, f"{name}_packed")))
+        if self.lm_head_packed is None and linear.can_pack(self.lm_head):
+            self.lm_head_packed = linear.pack(self.lm_head)
         with torch.inference_mode():
             linear.warm_up(packed)
         return bool(packed)
@@ -146,4 +151,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size], float32
-        return F.linear(hidden, self.lm_head).float()
+        return linear.linear(hidden, self.lm_head, None, self.lm_head_packed).float()

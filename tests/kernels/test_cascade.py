@@ -68,12 +68,14 @@ CASES = [  # (groups, loners, num_q_heads, num_kv_heads, head_dim, block_size, s
 ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-private", "flash-buckets"])
 @pytest.mark.parametrize("groups, loners, hq, hkv, head_dim, block_size, window", CASES)
-def test_cascade_matches_float64_and_the_reference(groups, loners, hq, hkv, head_dim, block_size, window):
+def test_cascade_matches_float64_and_the_reference(groups, loners, hq, hkv, head_dim, block_size, window, native):
     k_cache, v_cache, tables, lens, keys, values = shared_problem(groups, loners, hkv, head_dim, block_size, RUN_SEED)
     q = torch.randn(len(tables), hq, head_dim, generator=torch.Generator().manual_seed(RUN_SEED))
     scale = head_dim**-0.5
-    plan = cascade.plan_decode(tables, lens, block_size, window)
+    plan = cascade.plan_decode(tables, lens, block_size, window, native=native)
+    assert (plan.native is not None) == native and (plan.private == []) == native
     assert plan.num_shared_rows == sum(len(m) for _, m in groups)  # every member found its group
     out = cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale)
     ref = reference.paged_decode_attention(q, k_cache, v_cache, padded(tables), torch.tensor(lens, dtype=torch.int32),
@@ -84,21 +86,23 @@ def test_cascade_matches_float64_and_the_reference(groups, loners, hq, hkv, head
     assert_close(out, ref, torch.float32, "cascade vs reference")
 
 
-def test_without_groups_the_plan_is_the_per_sequence_path():
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-private", "flash-buckets"])
+def test_without_groups_the_plan_is_the_per_sequence_path(native):
     k_cache, v_cache, tables, lens, keys, values = shared_problem([], [9, 33, 64, 1], 2, 8, 8, RUN_SEED)
     q = torch.randn(len(tables), 4, 8, generator=torch.Generator().manual_seed(1))
-    plan = cascade.plan_decode(tables, lens, 8)
+    plan = cascade.plan_decode(tables, lens, 8, native=native)
     assert plan.groups == []
     out = cascade.cascade_decode_attention(q, k_cache, v_cache, plan, 0.3)
     for i, n in enumerate(lens):
         assert_close(out[i], attend64(q[i : i + 1], keys[i], values[i], [n - 1], 0.3)[0], torch.float32)
 
 
-def test_plan_shares_only_full_pages_below_every_members_newest_token():
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-private", "flash-buckets"])
+def test_plan_shares_only_full_pages_below_every_members_newest_token(native):
     # rows 0-2 share pages 7, 8, 9; row 2's newest token sits in page 9, so only 7 and 8 are shared
     tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9], [5, 6, 4], [7, 3]]
     lens = [60, 55, 40, 40, 20]
-    plan = cascade.plan_decode(tables, lens, 16)
+    plan = cascade.plan_decode(tables, lens, 16, native=native)
     assert len(plan.groups) == 1
     group = plan.groups[0]
     assert group.pages == [7, 8] and group.rows == [0, 1, 2]
@@ -109,7 +113,7 @@ def test_plan_shares_only_full_pages_below_every_members_newest_token():
 
 def test_plan_ignores_prefixes_shorter_than_the_minimum():
     tables = [[7, 1], [7, 2], [7, 3]]
-    plan = cascade.plan_decode(tables, [30, 30, 30], 16)  # one common page < MIN_SHARED_PAGES
+    plan = cascade.plan_decode(tables, [30, 30, 30], 16, native=False)  # one common page < MIN_SHARED_PAGES
     assert plan.groups == []
     assert [plan.private_pages(i) for i in range(3)] == [[7, 1], [7, 2], [7, 3]]
 
@@ -135,7 +139,18 @@ def test_bucket_rows_keeps_similar_rows_in_one_call():
 def test_a_plan_with_a_long_row_splits_its_private_parts():
     tables = [[i] for i in range(6)] + [list(range(10, 50))]
     lens = [10] * 6 + [40 * 16]
-    plan = cascade.plan_decode(tables, lens, 16)
+    plan = cascade.plan_decode(tables, lens, 16, native=False)  # the C++ kernel needs no buckets
     assert len(plan.private) == 2
     assert [b.tables.shape[1] for b in plan.private] == [1, 40]
     assert plan.private_pages(6) == list(range(10, 50))
+
+
+def test_native_plan_starts_each_row_past_its_shared_prefix_and_window():
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2], [5, 6]]
+    plan = cascade.plan_decode(tables, [60, 55, 20], 16, sliding_window=30, native=True)
+    assert plan.groups[0].pages == [7, 8, 9] and plan.private == []
+    # rows 0-1 share 3 pages (48 positions); the window of 30 starts row 2 at 20 - 30 -> 0
+    assert plan.native.starts.tolist() == [48, 48, 0] and plan.native.ends.tolist() == [60, 55, 20]
+    assert [plan.private_pages(i) for i in range(3)] == [[1], [2], [5, 6]]
+    with pytest.raises(ValueError):
+        plan.private_pages(3)

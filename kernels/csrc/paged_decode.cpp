@@ -16,7 +16,10 @@
 // results over positions are merged through their log-sum-exps afterwards. Items are dealt
 // to the intra-op threads in contiguous runs of equal cost.
 //
-// Everything accumulates in float32; bf16 inputs are widened on load.
+// Everything accumulates in float32; bf16 inputs are widened on load. Head dims that are a
+// multiple of 16 with GQA groups of 1-8 take a vector path (GCC vector types, so AVX2 machines
+// build it too) that keeps a group's queries and accumulators in registers; the rest take a
+// scalar loop the compiler vectorizes over head_dim.
 
 #include <torch/extension.h>
 
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -166,6 +170,157 @@ void attend(const scalar_t* __restrict k_base, const scalar_t* __restrict v_base
   }
 }
 
+// --- the vector path: head_dim a multiple of 16, a GQA group of 1-8 query heads -----------------
+// One KV head at a time: its group's query rows and accumulators stay in registers while
+// the chunk's K rows (then V rows) stream past, each loaded once for the whole group.
+
+typedef float vf16 __attribute__((vector_size(64)));      // 16 floats
+typedef uint16_t vh16 __attribute__((vector_size(32)));   // 16 bf16
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf16 vload(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf16 vload(const bf16_bits* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu16 w = __builtin_convertvector(h, vu16) << 16;
+  vf16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline float hsum(vf16 v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// One chunk of n tokens (their row offsets in `rows`) for the kG query rows q [kG, kD]
+// (pre-scaled) of one KV head (kv_off within a token row): updates the online softmax state
+// acc [kG, kD] (unnormalized), m, l in place.
+template <typename scalar_t, int kD, int kG>
+void attend_head_chunk(const scalar_t* __restrict k_base, const scalar_t* __restrict v_base,
+                       const int64_t* __restrict rows, int64_t n, int64_t kv_off, const float* __restrict q,
+                       float* __restrict acc_io, float* __restrict m, float* __restrict l) {
+  constexpr int kV = kD / 16;
+  vf16 qv[kG][kV], acc[kG][kV];
+  alignas(64) float scores[kG][kChunk];
+#pragma GCC unroll 8
+  for (int j = 0; j < kG; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) {
+      qv[j][v] = vload(q + j * kD + v * 16);
+      acc[j][v] = vload(acc_io + j * kD + v * 16);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {  // scores[j, t] = q_j . k_t, each k_t loaded once
+    const scalar_t* __restrict k = k_base + rows[t] + kv_off;
+    vf16 kv[kV];
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) kv[v] = vload(k + v * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < kG; ++j) {
+      vf16 a = qv[j][0] * kv[0];
+#pragma GCC unroll 16
+      for (int v = 1; v < kV; ++v) a += qv[j][v] * kv[v];
+      scores[j][t] = hsum(a);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kG; ++j) {  // online softmax
+    float mx = m[j];
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, scores[j][t]);
+    const float alpha = std::exp(m[j] - mx);  // 0 on the first chunk (m = -inf)
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = exp_nonpositive(scores[j][t] - mx);
+      scores[j][t] = e;
+      sum += e;
+    }
+    l[j] = l[j] * alpha + sum;
+    m[j] = mx;
+    if (alpha != 1.0f) {
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) acc[j][v] *= alpha;
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {  // acc_j += p[j, t] v_t, each v_t loaded once
+    const scalar_t* __restrict vr = v_base + rows[t] + kv_off;
+    vf16 vv[kV];
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) vv[v] = vload(vr + v * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < kG; ++j) {
+      const float pj = scores[j][t];
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) acc[j][v] += pj * vv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kG; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) std::memcpy(acc_io + j * kD + v * 16, &acc[j][v], sizeof(vf16));
+  }
+}
+
+// One item's heads [h0, h1) through the vector path when its shape has one; returns false if not.
+template <typename scalar_t, int kD>
+bool attend_vector(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table, const Problem& p,
+                   int64_t t0, int64_t t1, int64_t h0, int64_t h1, const float* q, float* acc, float* m, float* l) {
+  if constexpr (kD == 0 || kD % 16 != 0) {
+    return false;
+  } else {
+    auto heads = [&](auto group) {
+      constexpr int kG = decltype(group)::value;
+      const int64_t nq = (h1 - h0) * kG;
+      for (int64_t j = 0; j < nq; ++j) {
+        m[j] = -std::numeric_limits<float>::infinity();
+        l[j] = 0.0f;
+      }
+      std::fill(acc, acc + nq * kD, 0.0f);
+      int64_t rows[kChunk];
+      const int64_t bs = p.block_size;
+      int64_t page = t0 / bs, off = t0 % bs;
+      // chunk by chunk, every head of the item: the chunk's K/V rows stay in L1 across heads
+      for (int64_t pos = t0; pos < t1; pos += kChunk) {
+        const int64_t n = std::min(kChunk, t1 - pos);
+        for (int64_t t = 0; t < n; ++t) {
+          rows[t] = (static_cast<int64_t>(table[page]) * bs + off) * p.row_stride;
+          if (++off == bs) {
+            off = 0;
+            ++page;
+          }
+        }
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t r = (h - h0) * kG;
+          attend_head_chunk<scalar_t, kD, kG>(k_base, v_base, rows, n, h * kD, q + r * kD, acc + r * kD, m + r,
+                                              l + r);
+        }
+      }
+      return true;
+    };
+    switch (p.group) {
+      case 1: return heads(std::integral_constant<int, 1>{});
+      case 2: return heads(std::integral_constant<int, 2>{});
+      case 3: return heads(std::integral_constant<int, 3>{});
+      case 4: return heads(std::integral_constant<int, 4>{});
+      case 5: return heads(std::integral_constant<int, 5>{});
+      case 6: return heads(std::integral_constant<int, 6>{});
+      case 7: return heads(std::integral_constant<int, 7>{});
+      case 8: return heads(std::integral_constant<int, 8>{});
+      default: return false;
+    }
+  }
+}
+
 inline void store(float* dst, const float* src, int64_t n, float mul) {
   for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * mul;
 }
@@ -244,9 +399,12 @@ void run(const scalar_t* q_data, const scalar_t* k_base, const scalar_t* v_base,
       const scalar_t* q_row = q_data + (it.seq * p.num_q_heads + qh0) * D;
       for (int64_t x = 0; x < nq * D; ++x) buf.q[x] = to_float(q_row[x]) * p.scale;
       for (int64_t j = 0; j < nq; ++j) kv_off[j] = (it.h0 + j / p.group) * D;
-      attend<scalar_t, kD>(k_base, v_base, tables + it.seq * p.max_blocks, p, it.t0, it.t1, nq, kv_off.data(),
-                           buf.q.data(), buf.acc.data(), buf.m.data(), buf.l.data(), buf.scores.data(),
-                           buf.rows.data());
+      const int32_t* table = tables + it.seq * p.max_blocks;
+      if (!attend_vector<scalar_t, kD>(k_base, v_base, table, p, it.t0, it.t1, it.h0, it.h1, buf.q.data(),
+                                       buf.acc.data(), buf.m.data(), buf.l.data())) {
+        attend<scalar_t, kD>(k_base, v_base, table, p, it.t0, it.t1, nq, kv_off.data(), buf.q.data(),
+                             buf.acc.data(), buf.m.data(), buf.l.data(), buf.scores.data(), buf.rows.data());
+      }
       if (it.partial >= 0) {  // a part of a split sequence: keep (acc, m, l) for the merge
         float* dst = scratch + it.partial;
         std::memcpy(dst, buf.acc.data(), sizeof(float) * nq * D);

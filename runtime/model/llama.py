@@ -4,6 +4,13 @@ The model runs on a flat batch of tokens from many sequences (no padding): embed
 then per layer RMSNorm -> attention through the page tables -> residual -> RMSNorm ->
 SwiGLU MLP -> residual, then a final norm. Logits are computed only for the rows that
 sample. Numerics follow Hugging Face transformers (RMSNorm in float32, rotate-half RoPE).
+
+The residual stream is carried beside the normed activations, so that each residual sum
+and the norm after it are one op (kernels/fused_ops.py: C++ on the CPU, torch elsewhere):
+
+    normed = norm_in_0(residual)
+    per layer:  normed = norm_post(residual += attention(normed))
+                normed = norm_in_next(residual += mlp(normed))     (the final norm after the last)
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused_ops
 from runtime.attention import AttentionMetadata, paged_attention
 from runtime.model import linear
 from runtime.model.config import ModelConfig
-from runtime.model.rope import apply_rope, rope_cos_sin
+from runtime.model.rope import rope_cos_sin
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -28,10 +36,9 @@ class RMSNorm(nn.Module):
         self.weight = _weight(size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor, native: bool) -> torch.Tensor:
+        """residual += x (in place, when x is given); returns the norm of the new residual."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, native)
 
 
 class Attention(nn.Module):
@@ -51,13 +58,12 @@ class Attention(nn.Module):
         self.qkv_packed: torch.Tensor | None = None  # oneDNN layouts, once packed (see pack_linear_weights)
         self.o_packed: torch.Tensor | None = None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata, native: bool) -> torch.Tensor:
+        """x [num_tokens, hidden]; positions int64 [num_tokens]; cos, sin the whole float32 tables."""
         num_tokens = x.shape[0]
         qkv = linear.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 * kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = fused_ops.rope_qkv(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, native)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return linear.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias, self.o_packed)
 
@@ -73,10 +79,10 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear.linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_packed)
+    def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        gate_up = linear.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)  # [n, 2 * inter]
+        hidden = fused_ops.silu_and_mul(gate_up, native)  # [n, inter]
+        return linear.linear(hidden, self.down_weight, self.down_bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -87,9 +93,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, normed, residual, next_norm: RMSNorm, positions, cos, sin, k_cache, v_cache, meta,
+                native: bool) -> torch.Tensor:
+        """normed = this layer's input norm of `residual`; adds both blocks into `residual` in place
+        and returns `next_norm` of the result (the next layer's input norm, or the final norm)."""
+        attn = self.self_attn(normed, positions, cos, sin, k_cache, v_cache, meta, native)
+        normed = self.post_attention_layernorm(attn, residual, native)
+        return next_norm(self.mlp(normed, native), residual, native)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,11 +154,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [num_tokens, head_dim]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.norm(x)
+        residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]; updated in place
+        native = fused_ops.native_for(residual)
+        normed = self.layers[0].input_layernorm(None, residual, native)
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, (k_cache, v_cache) in zip(self.layers, norms_after, kv_caches):
+            normed = layer(normed, residual, next_norm, positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
+                           meta, native)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size], float32
         return linear.linear(hidden, self.lm_head, None, self.lm_head_packed).float()

@@ -1,4 +1,6 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin table."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin table.
+
+The rotation itself is kernels/fused_ops.rope_qkv."""
 
 from __future__ import annotations
 
@@ -40,12 +42,3 @@ def rope_cos_sin(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor,
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by per-token cos/sin [num_tokens, head_dim]."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -12,7 +12,7 @@ from tests.kernels.helpers import assert_close, attend64, paged_problem
 def test_builds_here():
     """The machine that runs the suite has a compiler (scripts/system-deps.sh installs g++): the kernel builds."""
     if not cpu_attention.available():
-        raise AssertionError("the C++ CPU attention kernel did not build; see the cpu_attention.unavailable log")
+        raise AssertionError("the C++ CPU attention kernel did not build; see the cpu_kernels.unavailable log")
 
 
 def _expected(q, keys, values, starts, ends, scale):

@@ -1,0 +1,65 @@
+"""The C++ CPU kernels under kernels/csrc, each compiled on first use and cached per machine.
+
+torch.utils.cpp_extension.load builds a source with the compiler torch was built against
+(-O3 -march=native, OpenMP for at::parallel_for) into torch's extension folder. The module's
+name holds a hash of the source, the flags, the torch version and the CPU's flags, so a new
+machine or a changed source builds its own and a cached one is loaded in a second. Where a
+source cannot build (no compiler, no ninja) or PAGEDSERVE_CPU_KERNELS=torch, `load` returns
+None, logs one warning, and the callers take their torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import structlog
+import torch
+
+CSRC = pathlib.Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+_log = structlog.get_logger(__name__)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _module_name(source: pathlib.Path, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return f"pagedserve_{source.stem}_{digest.hexdigest()[:16]}"
+
+
+def enabled() -> bool:
+    """Whether the C++ kernels may be used at all (PAGEDSERVE_CPU_KERNELS=torch turns them off)."""
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "native") != "torch"
+
+
+@functools.cache
+def load(source_name: str, extra_flags: tuple[str, ...] = ()):
+    """The compiled module of kernels/csrc/`source_name`, or None where it cannot be had (logged once)."""
+    if not enabled():
+        return None
+    source = CSRC / source_name
+    flags = BASE_FLAGS + tuple(extra_flags)
+    try:
+        from torch.utils import cpp_extension
+
+        _log.info("cpu_kernels.loading", source=source.name)
+        module = cpp_extension.load(name=_module_name(source, flags), sources=[str(source)], extra_cflags=list(flags),
+                                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: the torch path serves
+        _log.warning("cpu_kernels.unavailable", source=source.name, error=str(exc)[:500], fallback="torch")
+        return None
+    _log.info("cpu_kernels.ready", source=source.name, module=module.__name__)
+    return module

@@ -2,8 +2,10 @@
 
 Backends:
     "torch"   torch ops on any device: the CPU backend. Decode goes through kernels/cascade.py
-              when given a plan (shared prefixes read once per group), else through the
-              reference in kernels/reference.py, which is also the oracle for every backend
+              when given a plan (shared prefixes read once per group, private parts in C++:
+              kernels/cpu_attention.py), prefill on the CPU through kernels/cpu_prefill.py
+              (cached part plus a causal chunk), else through the reference in
+              kernels/reference.py, which is also the oracle for every backend
     "triton"  the Triton kernels in decode_attention.py, prefill_attention.py, kv_write.py:
               CUDA tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
               before triton is first imported; slow, for tests)
@@ -24,7 +26,7 @@ import warnings
 
 import torch
 
-from kernels import cascade, reference
+from kernels import cascade, cpu_prefill, reference
 from kernels.cascade import DecodePlan, plan_decode
 
 BACKENDS = ("auto", "torch", "triton")
@@ -144,6 +146,9 @@ def paged_prefill_attention(
         return _triton_kernels().paged_prefill_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
         )
+    if sliding_window is None and q.device.type == "cpu":
+        return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                                   scale)
     return reference.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )

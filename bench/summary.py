@@ -78,25 +78,29 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
         for r in overhead["rows"]:
             out.append((f"engine overhead, {r['model']}, batch {r['batch']}", f"{r['overhead_pct']}% of "
                         f"{r['step_ms']:.1f} ms", "goal < 10%", "met" if r["overhead_pct"] < 10 else "not met"))
-    for result, suffix in (("vllm_offline", ""), ("vllm_offline_bfloat16", ", both bfloat16")):
+    offline = [(f"vllm_offline{m}{d}", model, suffix) for m, model in (("", "23M Llama"), ("_smollm2", "SmolLM2-135M"))
+               for d, suffix in (("", ""), ("_bfloat16", ", both bfloat16"))]
+    for result, model, suffix in offline:
         for name, row in (load(result, quick) or {}).get("summary", {}).items():
-            out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), 23M Llama, "
+            out.append((f"offline output tok/s vs vLLM {row.get('vllm_version', '0.32.0')} (CPU), {model}, "
                         f"{name} load{suffix}",
                         f"{median(row['pagedserve_tok_per_s']):.0f}", f"{median(row['vllm_tok_per_s']):.0f}",
                         f"x{row['median_ratio']} (tokens equal {row['equal_requests']}/{row['requests']})"))
-    vllm_serving = load("vllm_serving", quick)
-    if vllm_serving:
+    for result, model in (("vllm_serving", ""), ("vllm_serving_smollm2", " SmolLM2-135M,")):
+        vllm_serving = load(result, quick)
+        if not vllm_serving:
+            continue
         for name, row in vllm_serving["summary"].items():
             ours, peer = row["median"]["pagedserve"], row["median"]["vllm"]
             load_name, _, rate = name.partition("@")
             rate = rate or "16"  # results from before the rates were a dimension
-            out.append((f"vllm bench serve, {load_name}, {rate} req/s: output tok/s; TPOT p50 (ms); TTFT p99 (ms)",
+            out.append((f"vllm bench serve,{model} {load_name}, {rate} req/s: output tok/s; TPOT p50 (ms); TTFT p99 (ms)",
                         f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
                         f"{peer['output_throughput']:.0f}; {peer['median_tpot_ms']:.0f}; {peer['p99_ttft_ms']:.0f}",
                         f"x{row['output_throughput_ratio']}; x{row['median_tpot_ratio']}; x{row['p99_ttft_ratio']}"))
             if "vs_llama_cpp" in row:
                 third, ratio = row["median"]["llama.cpp"], row["vs_llama_cpp"]
-                out.append((f"vllm bench serve, {load_name}, {rate} req/s, vs llama.cpp's llama-server (16 slots): same",
+                out.append((f"vllm bench serve,{model} {load_name}, {rate} req/s, vs llama.cpp's llama-server (16 slots): same",
                             f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.0f}; {ours['p99_ttft_ms']:.0f}",
                             f"{third['output_throughput']:.0f}; {third['median_tpot_ms']:.0f}; {third['p99_ttft_ms']:.0f}",
                             f"x{ratio['output_throughput_ratio']}; x{ratio['median_tpot_ratio']}; "

@@ -19,7 +19,7 @@ import structlog
 import torch
 
 CSRC = pathlib.Path(__file__).parent / "csrc"
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # the last: min/max and compares vectorize
 _log = structlog.get_logger(__name__)
 
 

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,23 +27,32 @@ namespace {
 using bf16_bits = uint16_t;
 
 inline float to_float(float x) { return x; }
-inline float to_float(bf16_bits x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+inline float to_float(bf16_bits x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+// float -> bf16 bits, round to nearest even (as c10::BFloat16), branch-free so that loops vectorize
+inline bf16_bits round_bf16(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  const uint32_t rounded_bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<bf16_bits>(x != x ? 0x7FC0u : rounded_bits);  // NaN stays a quiet NaN
 }
-inline bf16_bits round_bf16(float x) { return c10::BFloat16(x).x; }  // round to nearest even
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16_bits* p, float x) { *p = round_bf16(x); }
-// x as stored in the tensor's dtype, read back as float
-inline float rounded(float x, const float*) { return x; }
-inline float rounded(float x, const bf16_bits*) { return to_float(round_bf16(x)); }
+// x as stored in dtype T, read back as float
+template <typename T>
+inline float rounded(float x);
+template <>
+inline float rounded<float>(float x) {
+  return x;
+}
+template <>
+inline float rounded<bf16_bits>(float x) {
+  return to_float(round_bf16(x));
+}
 
 // exp(x) in float32 (Cephes' expf: range reduction by ln 2, degree-6 polynomial), vectorizable
 inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = std::max(-87.0f, std::min(88.0f, x));
+  // floor(x log2 e + 1/2), as a truncation of a positive number: floor itself does not vectorize here
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
@@ -53,9 +63,7 @@ inline float exp_approx(float x) {
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  return y * __builtin_bit_cast(float, bits);
 }
 
 template <typename T>
@@ -66,10 +74,11 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
       T* res = residual + r * size;
       const T* xr = x ? x + r * size : nullptr;
       float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t d = 0; d < size; ++d) {
         float v = to_float(res[d]);
         if (xr) {
-          v = rounded(to_float(xr[d]) + v, res);
+          v = rounded<T>(to_float(xr[d]) + v);
           store(res + d, v);
         }
         h[d] = v;
@@ -77,7 +86,8 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(size) + eps);
       T* o = out + r * size;
-      for (int64_t d = 0; d < size; ++d) store(o + d, to_float(weight[d]) * rounded(h[d] * inv, o));
+#pragma omp simd
+      for (int64_t d = 0; d < size; ++d) store(o + d, to_float(weight[d]) * rounded<T>(h[d] * inv));
     }
   });
 }
@@ -93,20 +103,22 @@ void rope_impl(const T* qkv, const int64_t* positions, const float* cos, const f
       const float* cr = cos + positions[t] * head_dim;
       const float* sr = sin + positions[t] * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) {  // the tables cast to the activations' dtype, as torch does
-        c[d] = rounded(cr[d], q);
-        s[d] = rounded(sr[d], q);
+        c[d] = rounded<T>(cr[d]);
+        s[d] = rounded<T>(sr[d]);
       }
       const T* src = qkv + t * row;
       for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
         const T* x = src + h * head_dim;
         T* dst = h < num_q_heads ? q + (t * num_q_heads + h) * head_dim
                                  : k + (t * num_kv_heads + h - num_q_heads) * head_dim;
+#pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          const float a = rounded(to_float(x[d]) * c[d], dst), b = rounded(-to_float(x[d + half]) * s[d], dst);
+          const float a = rounded<T>(to_float(x[d]) * c[d]), b = rounded<T>(-to_float(x[d + half]) * s[d]);
           store(dst + d, a + b);
         }
+#pragma omp simd
         for (int64_t d = half; d < head_dim; ++d) {
-          const float a = rounded(to_float(x[d]) * c[d], dst), b = rounded(to_float(x[d - half]) * s[d], dst);
+          const float a = rounded<T>(to_float(x[d]) * c[d]), b = rounded<T>(to_float(x[d - half]) * s[d]);
           store(dst + d, a + b);
         }
       }
@@ -115,19 +127,18 @@ void rope_impl(const T* qkv, const int64_t* positions, const float* cos, const f
 }
 
 template <typename T>
+void silu_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = to_float(g[d]);
+    const float silu = rounded<T>(x / (1.0f + exp_approx(-x)));
+    store(o + d, silu * to_float(u[d]));
+  }
+}
+
+template <typename T>
 void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t size) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gate_up + r * 2 * size;
-      const T* u = g + size;
-      T* o = out + r * size;
-#pragma omp simd
-      for (int64_t d = 0; d < size; ++d) {
-        const float x = to_float(g[d]);
-        const float silu = rounded(x / (1.0f + exp_approx(-x)), o);
-        store(o + d, silu * to_float(u[d]));
-      }
-    }
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_row(gate_up + r * 2 * size, gate_up + r * 2 * size + size, out + r * size, size);
   });
 }
 

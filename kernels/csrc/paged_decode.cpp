@@ -54,8 +54,9 @@ inline float to_float(bf16_bits x) {
 // exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial, relative
 // error ~1e-7); written so that a loop over it vectorizes. exp(0) is exactly 1.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = std::max(x, -87.0f);
+  // floor(x log2 e + 1/2), as a truncation of a positive number: floor itself does not vectorize here
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
@@ -297,6 +298,25 @@ bool attend_vector(const scalar_t* k_base, const scalar_t* v_base, const int32_t
           if (++off == bs) {
             off = 0;
             ++page;
+          }
+        }
+        {  // ask for the next chunk's K/V lines of these heads now: pages are scattered, so the
+           // hardware prefetcher cannot guess them, and the loads would wait on memory
+          int64_t next_page = page, next_off = off;
+          const int64_t n_next = std::min(kChunk, t1 - pos - n);
+          const int64_t span = (h1 - h0) * kD * static_cast<int64_t>(sizeof(scalar_t));  // bytes per token row
+          for (int64_t t = 0; t < n_next; ++t) {
+            const int64_t row = (static_cast<int64_t>(table[next_page]) * bs + next_off) * p.row_stride + h0 * kD;
+            const char* kr = reinterpret_cast<const char*>(k_base + row);
+            const char* vr = reinterpret_cast<const char*>(v_base + row);
+            for (int64_t b = 0; b < span; b += 64) {
+              __builtin_prefetch(kr + b);
+              __builtin_prefetch(vr + b);
+            }
+            if (++next_off == bs) {
+              next_off = 0;
+              ++next_page;
+            }
           }
         }
         for (int64_t h = h0; h < h1; ++h) {

@@ -164,7 +164,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
-    parser.add_argument("--rates", nargs="+", default=["16", "inf"], help="request rates (req/s, or inf)")
+    parser.add_argument("--rates", nargs="+", default=None,
+                        help="request rates (req/s, or inf); default 16 inf (llama-23m), 2 inf (smollm2)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per run; default 96 (llama-23m), 48 (smollm2: ~6x the work per token)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's llama-server out")
     parser.add_argument("--model", default="llama-23m", choices=MODELS)
     args = parser.parse_args()
@@ -172,7 +175,9 @@ def main() -> None:
         log("no vLLM peer: making it with bench/peers/vllm_venv.sh (~3.5 GB, a few minutes)")
         subprocess.check_call(["bash", str(REPO / "bench" / "peers" / "vllm_venv.sh")], cwd=REPO)
     repeats = args.repeats or (1 if args.quick else 3)
-    num_prompts = 32 if args.quick else 96
+    real = args.model == "smollm2"
+    args.rates = args.rates or (["2", "inf"] if real else ["16", "inf"])
+    num_prompts = args.num_prompts or ((16 if args.quick else 48) if real else (32 if args.quick else 96))
     tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-serving-")
     root = Path(tmp.name)
     model = benchmark_model(args.model, root)

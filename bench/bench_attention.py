@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 from common import (
@@ -37,10 +36,11 @@ from common import (
     median,
     pin_threads,
     quick_mode,
+    time_ms,
     write_result,
 )
 
-from kernels import cascade, reference
+from kernels import cascade, cpu_attention, reference
 
 HQ, HKV, D, BS = 8, 2, 64, 16
 
@@ -77,14 +77,6 @@ LOADS = {
 }
 
 
-def time_ms(fn, iters: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters * 1000
-
-
 def flex_goal_ms(iters: int) -> float:
     """flex_attention on the goal shape, K/V contiguous per row, one block mask per row."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -102,18 +94,23 @@ def flex_goal_ms(iters: int) -> float:
 
 
 def measure_load(name: str, load, repeats: int, iters: int) -> dict:
-    """The three paths on one load, checked against the reference, then timed alternated."""
+    """The paths on one load (the C++ ones where they build), checked against the reference, then timed alternated."""
     q, k_cache, v_cache, padded, lens, tables = load
     scale = D**-0.5
-    plan = cascade.plan_decode(tables, lens.tolist(), BS)
-    no_groups = cascade.plan_decode(tables, lens.tolist(), BS, min_shared_pages=10**9)
-    one_bucket = cascade.plan_decode(tables, lens.tolist(), BS, bucket_call_pages=10**9)
+    plan = cascade.plan_decode(tables, lens.tolist(), BS, native=False)  # private parts: flash buckets
+    no_groups = cascade.plan_decode(tables, lens.tolist(), BS, min_shared_pages=10**9, native=False)
+    one_bucket = cascade.plan_decode(tables, lens.tolist(), BS, bucket_call_pages=10**9, native=False)
     paths = {
         "gather": lambda: reference.paged_decode_attention(q, k_cache, v_cache, padded, lens, scale),
         "per_seq": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, no_groups, scale),
         "one_bucket": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, one_bucket, scale),
         "cascade": lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale),
     }
+    if cpu_attention.available():  # the private parts in C++ (kernels/cpu_attention.py), what the CPU serves with
+        cpp_plan = cascade.plan_decode(tables, lens.tolist(), BS, native=True)
+        cpp_no_groups = cascade.plan_decode(tables, lens.tolist(), BS, min_shared_pages=10**9, native=True)
+        paths["per_seq_cpp"] = lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, cpp_no_groups, scale)
+        paths["cascade_cpp"] = lambda: cascade.cascade_decode_attention(q, k_cache, v_cache, cpp_plan, scale)
     expected = paths["gather"]()
     for path, fn in paths.items():
         error = (fn() - expected).abs().max().item()
@@ -123,7 +120,7 @@ def measure_load(name: str, load, repeats: int, iters: int) -> dict:
     for _, path in alternated(list(paths), repeats):
         times[path].append(time_ms(paths[path], iters))
     medians = {path: median(t) for path, t in times.items()}
-    plan_ms = time_ms(lambda: cascade.plan_decode(tables, lens.tolist(), BS), iters)
+    plan_ms = time_ms(lambda: cascade.plan_decode(tables, lens.tolist(), BS, native=False), iters)
     result = {
         "rows": len(tables), "groups": len(plan.groups), "shared_rows": plan.num_shared_rows,
         "private_buckets": len(plan.private),

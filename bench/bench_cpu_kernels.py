@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from common import REPO, log, machine_info, write_result
+from common import REPO, log, machine_info, time_ms, write_result
 
 sys.path.insert(0, str(REPO))
 
@@ -67,14 +67,6 @@ def switched_steps(engine, load: dict, switch: str, runs: int) -> dict:
         fused_ops.native_for, kernels.plan_decode = originals
     on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
     return {"on_ms": round(on, 2), "off_ms": round(off, 2), "speedup": round(off / on, 3), "steps": len(times[True])}
-
-
-def time_ms(fn, iters: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def fused_ops_alone(dtype: torch.dtype, repeats: int) -> dict:

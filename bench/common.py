@@ -350,3 +350,12 @@ def timed(fn, box: list[float]):
             box[0] += time.perf_counter() - start
 
     return wrapper
+
+
+def time_ms(fn, iters: int) -> float:
+    """Milliseconds per call of `fn`, over `iters` calls after one untimed call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters * 1000

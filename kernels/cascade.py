@@ -301,6 +301,19 @@ def _private_attention(q_rows, k_cache, v_cache, bucket: PrivateBucket, scale: f
     return _flash(q_rows, k.transpose(1, 2), v.transpose(1, 2), bucket.bias, scale)
 
 
+def _bucketed_private(q_rows, k_cache, v_cache, buckets: list[PrivateBucket], scale: float):
+    """Every row over its own pages, bucket by bucket: (out [n, kv_heads, group, d], lse [n, kv_heads, group])."""
+    if len(buckets) == 1 and buckets[0].rows is None:
+        return _private_attention(q_rows, k_cache, v_cache, buckets[0], scale)
+    out = q_rows.new_empty(q_rows.shape)
+    lse = q_rows.new_empty(q_rows.shape[:-1])
+    for bucket in buckets:
+        out_b, lse_b = _private_attention(q_rows.index_select(0, bucket.rows), k_cache, v_cache, bucket, scale)
+        out.index_copy_(0, bucket.rows, out_b)
+        lse.index_copy_(0, bucket.rows, lse_b)
+    return out, lse
+
+
 def cascade_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -314,7 +327,6 @@ def cascade_decode_attention(
     if plan.num_seqs != num_seqs:
         raise ValueError(f"plan for {plan.num_seqs} rows, but {num_seqs} queries")
     group_size = num_q_heads // num_kv_heads
-    q_rows = q.float().reshape(num_seqs, num_kv_heads, group_size, head_dim)  # heads of one KV head as rows
     if plan.native is not None:
         rows = plan.native
         out_n, lse_n = cpu_attention.paged_decode_attention(q, k_cache, v_cache, rows.tables, rows.starts, rows.ends,
@@ -323,15 +335,9 @@ def cascade_decode_attention(
             return out_n
         out = out_n.float().view(num_seqs, num_kv_heads, group_size, head_dim)
         lse = lse_n.view(num_seqs, num_kv_heads, group_size)
-    elif len(plan.private) == 1 and plan.private[0].rows is None:
-        out, lse = _private_attention(q_rows, k_cache, v_cache, plan.private[0], scale)
-    else:
-        out = q_rows.new_empty(q_rows.shape)
-        lse = q_rows.new_empty(q_rows.shape[:-1])
-        for bucket in plan.private:
-            out_b, lse_b = _private_attention(q_rows.index_select(0, bucket.rows), k_cache, v_cache, bucket, scale)
-            out.index_copy_(0, bucket.rows, out_b)
-            lse.index_copy_(0, bucket.rows, lse_b)
+    q_rows = q.float().reshape(num_seqs, num_kv_heads, group_size, head_dim)  # heads of one KV head as rows
+    if plan.native is None:
+        out, lse = _bucketed_private(q_rows, k_cache, v_cache, plan.private, scale)
     # out [num_seqs, num_kv_heads, group_size, head_dim], lse [num_seqs, num_kv_heads, group_size]
     shared = plan.shared
     if shared is None:

@@ -23,19 +23,24 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")  # the l
 _log = structlog.get_logger(__name__)
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return ""
+    return frozenset()
 
 
 def _module_name(source: pathlib.Path, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    headers = sorted(CSRC.glob("*.h"))  # what the sources include
+    for part in (source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(flags).encode(),
+                 torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode()):
         digest.update(part)
     return f"pagedserve_{source.stem}_{digest.hexdigest()[:16]}"
 

@@ -7,25 +7,12 @@ EPYC, 3-6x with AMX), else float32 (bf16 is ~100x slower on plain AVX2).
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kernels.cpu_extension import cpu_flags
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:

@@ -24,7 +24,6 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,43 +33,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int64_t kChunk = 32;           // tokens scored together per online-softmax update
 constexpr int64_t kMinPartTokens = 128;  // a position split never makes parts shorter than this
 constexpr int64_t kItemOverhead = 8;     // what starting an item costs, in token-rows
 
-using bf16_bits = uint16_t;  // bf16 read as its raw bits
-
-inline float to_float(float x) { return x; }
-
-inline float to_float(bf16_bits x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial, relative
-// error ~1e-7); written so that a loop over it vectorizes. exp(0) is exactly 1.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  // floor(x log2 e + 1/2), as a truncation of a positive number: floor itself does not vectorize here
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+using pagedserve::bf16_bits;
+using pagedserve::to_float;
+using pagedserve::exp_approx;
 
 struct Item {
   int64_t seq;
@@ -145,7 +118,7 @@ void attend(const scalar_t* __restrict k_base, const scalar_t* __restrict v_base
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        const float e = exp_nonpositive(sj[t] - mx);
+        const float e = exp_approx(sj[t] - mx);
         sj[t] = e;
         sum += e;
       }
@@ -242,7 +215,7 @@ void attend_head_chunk(const scalar_t* __restrict k_base, const scalar_t* __rest
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
-      const float e = exp_nonpositive(scores[j][t] - mx);
+      const float e = exp_approx(scores[j][t] - mx);
       scores[j][t] = e;
       sum += e;
     }
@@ -346,10 +319,7 @@ inline void store(float* dst, const float* src, int64_t n, float mul) {
 }
 
 inline void store(bf16_bits* dst, const float* src, int64_t n, float mul) {
-  for (int64_t d = 0; d < n; ++d) {
-    const c10::BFloat16 b(src[d] * mul);  // round to nearest even
-    dst[d] = b.x;
-  }
+  for (int64_t d = 0; d < n; ++d) dst[d] = pagedserve::round_bf16(src[d] * mul);
 }
 
 // Splits the rows into items and deals them to `num_tasks` contiguous runs of equal cost.
@@ -418,10 +388,10 @@ void run(const scalar_t* q_data, const scalar_t* k_base, const scalar_t* v_base,
       const int64_t qh0 = it.h0 * p.group;  // first query head of the item
       const scalar_t* q_row = q_data + (it.seq * p.num_q_heads + qh0) * D;
       for (int64_t x = 0; x < nq * D; ++x) buf.q[x] = to_float(q_row[x]) * p.scale;
-      for (int64_t j = 0; j < nq; ++j) kv_off[j] = (it.h0 + j / p.group) * D;
       const int32_t* table = tables + it.seq * p.max_blocks;
       if (!attend_vector<scalar_t, kD>(k_base, v_base, table, p, it.t0, it.t1, it.h0, it.h1, buf.q.data(),
                                        buf.acc.data(), buf.m.data(), buf.l.data())) {
+        for (int64_t j = 0; j < nq; ++j) kv_off[j] = (it.h0 + j / p.group) * D;
         attend<scalar_t, kD>(k_base, v_base, table, p, it.t0, it.t1, nq, kv_off.data(), buf.q.data(),
                              buf.acc.data(), buf.m.data(), buf.l.data(), buf.scores.data(), buf.rows.data());
       }

@@ -117,3 +117,16 @@ def test_bad_input_raises_value_error(change, message, seed):
         q = torch.randn(2, 3, 64)
     with pytest.raises(ValueError, match=message):
         cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, starts, ends, 0.125)
+
+
+def test_turned_off_the_kernels_are_not_loaded_and_the_torch_path_serves(monkeypatch, seed):
+    """PAGEDSERVE_CPU_KERNELS=torch (as where no compiler builds them): no module, and the plan falls back to buckets."""
+    from kernels import cascade, cpu_extension
+
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "torch")
+    if cpu_extension.load.__wrapped__("paged_decode.cpp") is not None:  # the uncached loader sees the switch
+        raise AssertionError("the kernel loaded although PAGEDSERVE_CPU_KERNELS=torch")
+    monkeypatch.setattr(cpu_attention, "_extension", lambda: None)
+    plan = cascade.plan_decode([[1, 2], [3]], [20, 9], 16)
+    if plan.native is not None or not plan.private:
+        raise AssertionError("without the kernel the plan must bucket the private parts")

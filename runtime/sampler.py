@@ -95,10 +95,11 @@ class Sampler:
         logits = logits.float().cpu()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
-        for i, seq in enumerate(seqs):
-            if seq.request.logit_bias is not None:
-                token_ids, biases = seq.request.logit_bias
-                logits[i, token_ids] += biases
+        biased = [(i, seq.request.logit_bias) for i, seq in enumerate(seqs) if seq.request.logit_bias is not None]
+        if biased:
+            logits = logits.clone()  # the caller's rows (the runner's inference tensor) stay as they came
+        for i, (token_ids, biases) in biased:
+            logits[i, token_ids] += biases
         allowed = self._allowed_ids(logits.shape[1], seqs)  # row -> the ids its grammar allows
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             token_ids = logits.argmax(dim=-1).tolist()

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from kernels import cascade, cpu_prefill, reference
+from kernels import cascade, cpu_attention, cpu_prefill, fused_ops, reference
 from kernels.cascade import DecodePlan, plan_decode
 
 BACKENDS = ("auto", "torch", "triton")
@@ -98,6 +98,14 @@ def _backend_for(backend: str, tensor: torch.Tensor) -> str:
     if backend == "torch" or (backend == "triton" and tensor.is_cuda):
         return backend
     return resolve_backend(backend, tensor.device)
+
+
+def prepare_cpu_kernels() -> dict[str, bool]:
+    """Build or load the C++ CPU kernels now (a minute the first time on a machine), not on a first request.
+
+    Returns which are available; those that are not leave their callers on the torch path.
+    """
+    return {"paged_decode": cpu_attention.available(), "fused_ops": fused_ops.native_for(torch.zeros(1))}
 
 
 def paged_decode_attention(
@@ -176,6 +184,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode",
+    "prepare_cpu_kernels",
     "resolve_backend",
     "write_kv",
 ]

@@ -3,7 +3,8 @@
 torch.utils.cpp_extension.load builds a source with the compiler torch was built against
 (-O3 -march=native, OpenMP for at::parallel_for) into torch's extension folder. The module's
 name holds a hash of the source, the flags, the torch version and the CPU's flags, so a new
-machine or a changed source builds its own and a cached one is loaded in a second. Where a
+machine or a changed source builds its own and a cached one is loaded in a second, from any
+checkout (the sources are staged in the build folder). Where a
 source cannot build (no compiler, no ninja) or PAGEDSERVE_CPU_KERNELS=torch, `load` returns
 None, logs one warning, and the callers take their torch path.
 """
@@ -14,6 +15,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import shutil
 
 import structlog
 import torch
@@ -60,9 +62,23 @@ def load(source_name: str, extra_flags: tuple[str, ...] = ()):
     try:
         from torch.utils import cpp_extension
 
-        _log.info("cpu_kernels.loading", source=source.name)
-        module = cpp_extension.load(name=_module_name(source, flags), sources=[str(source)], extra_cflags=list(flags),
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+        name = _module_name(source, flags)
+        build = pathlib.Path(cpp_extension._get_build_directory(name, verbose=False))
+        # the sources are copied beside the build: another checkout of the same code finds it built
+        # (ninja would rebuild for a source at a new path), and a build is never half-visible
+        staged = build / "src"
+        if not (staged / source.name).is_file():
+            tmp = build / f"src.{os.getpid()}"
+            tmp.mkdir(parents=True, exist_ok=True)
+            for path in (source, *CSRC.glob("*.h")):
+                shutil.copy(path, tmp / path.name)
+            try:
+                tmp.rename(staged)
+            except OSError:  # another process staged it first: the same bytes
+                shutil.rmtree(tmp, ignore_errors=True)
+        _log.info("cpu_kernels.loading", source=source.name, build=str(build))
+        module = cpp_extension.load(name=name, sources=[str(staged / source.name)], extra_cflags=list(flags),
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path serves
         _log.warning("cpu_kernels.unavailable", source=source.name, error=str(exc)[:500], fallback="torch")
         return None

@@ -37,6 +37,8 @@ class ModelRunner:
         config = model.config
         self.model = model
         model.pack_linear_weights()  # CPU: oneDNN's packed layout (a no-op elsewhere)
+        if device.type == "cpu":
+            kernels.prepare_cpu_kernels()  # built before the engine is ready, not during a first request
         self.block_size = block_size
         self.device = device
         self.kernel_backend = kernel_backend

@@ -30,6 +30,7 @@ generate: $(STAMP)
 	$(VENV)/bin/pagedserve generate --model $(MODEL) --max-tokens 120 "$(PROMPT)"
 
 test: system-deps $(STAMP)
+	$(PY) -c "import kernels; print('C++ CPU kernels:', kernels.prepare_cpu_kernels())"  # built once per machine (~1 min), before servers start under test timeouts
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -106,7 +106,8 @@ class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     kv_events_endpoint: str | None = None  # also publish vLLM-format KV events on this ZMQ PUB address
     kv_events_replay_endpoint: str | None = None  # ... and answer replay requests (ROUTER socket) here
     kv_events_topic: str = "kv-events"
-    worker_timeout_s: float = 60.0  # front door: how long start-up waits for the first worker
+    worker_timeout_s: float = 60.0  # front door: start-up's wait for a first worker; a silent worker's longest hold
+    worker_port: int = 0  # worker: its probe port; 0 takes a free one and prints it (never the front door's 8000)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -115,6 +116,8 @@ class DistributedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
             raise ConfigError(f"distributed.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
         if not self.worker_timeout_s > 0:
             raise ConfigError(f"distributed.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if not 0 <= self.worker_port <= 65535:
+            raise ConfigError(f"distributed.worker_port must be in [0, 65535], got {self.worker_port}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("distributed.kv_events_replay_endpoint needs distributed.kv_events_endpoint")
         if not self.kv_prefill_load_scale > 0:

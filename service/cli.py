@@ -44,14 +44,15 @@ def _settings(args: argparse.Namespace):
     """Settings from --config, the environment and the flags; None (after one line on stderr) if invalid."""
     from config import ConfigError, load_settings
 
-    server = {"model": args.model, "host": args.host, "port": args.port, "served_model_name": args.served_model_name}
+    server = {"model": args.model, "host": args.host, "served_model_name": args.served_model_name}
     distributed = {"discovery_dir": args.discovery_dir, "namespace": args.namespace}
     if args.command == "serve":
+        server["port"] = args.port
         server.update(tenants_file=args.tenants, redis_url=args.redis_url, data_dir=args.data_dir,
                       tool_call_parser=args.tool_call_parser)
         distributed.update(router=args.router, routing=args.routing)
-    else:
-        distributed.update(kv_events_endpoint=args.kv_events_endpoint,
+    else:  # a worker's port is its own setting: its default (0, a free port) never collides with serve's 8000
+        distributed.update(worker_port=args.port, kv_events_endpoint=args.kv_events_endpoint,
                            kv_events_replay_endpoint=args.kv_events_replay_endpoint)
     try:
         return load_settings(args.config, overrides={
@@ -91,7 +92,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder, or 'demo' (random weights)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None,
+                        help="serve: the API port (default 8000); worker: its probe port (default: a free one, printed)")
     parser.add_argument("--config", help="TOML settings file (see config/default.toml)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)

@@ -25,6 +25,12 @@ ERROR_TYPES = {
 }
 
 
+class UnavailableError(Exception):
+    """Nothing can answer this request now (no worker reachable, its worker lost): 503 with Retry-After."""
+
+    retry_after_s = 2
+
+
 class APIError(Exception):
     """An error to send to the client as is."""
 
@@ -76,6 +82,9 @@ def from_exception(exc: Exception) -> APIError:
         return from_validation_error(exc)
     if isinstance(exc, msgspec.DecodeError):
         return APIError(400, f"request body is not valid JSON: {exc}", None, "invalid_json")
+    if isinstance(exc, UnavailableError):
+        return APIError(503, f"{exc}; retry shortly", None, "service_unavailable",
+                        {"Retry-After": str(exc.retry_after_s)})
     return APIError(500, "internal error while generating; the request was stopped", None, "internal_error")
 
 
@@ -94,7 +103,7 @@ async def error_middleware(request: web.Request, handler):
             raise
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return APIError(exc.status, exc.reason or "error", None, None, allow).response()
-    except (APIError, InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (APIError, InvalidRequestError, UnavailableError, msgspec.ValidationError, msgspec.DecodeError) as exc:
         return from_exception(exc).response()
     except Exception as exc:
         log.exception("unhandled error", path=request.path)

@@ -41,6 +41,8 @@ class EngineStatsCollector:
             "pagedserve_kv_blocks_cached": ("KV pages holding a hashed prefix block", stats["num_cached_blocks"]),
             "pagedserve_kv_tokens": ("Token slots holding K/V of live sequences", stats["num_kv_tokens"]),
         }
+        if "num_workers" in stats:  # a front door behind Dynamo: the gauges above are summed over these
+            gauges["pagedserve_workers"] = ("Live workers (behind Dynamo) the stats are summed over", stats["num_workers"])
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {

@@ -1,4 +1,9 @@
-"""Run the service: uvloop, the app, graceful shutdown on SIGTERM/SIGINT."""
+"""Run the service: uvloop, the app, graceful shutdown on SIGTERM/SIGINT.
+
+Start-up is all or nothing (service/startup.py): the port is bound first, then the engine
+is built (or, with the Dynamo router, the workers are joined), then the port listens. Any
+failure on the way exits with one line naming the cause.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +16,41 @@ from aiohttp import web
 
 from config import Settings
 from service.app import create_app, drain, load_engine
+from service.startup import as_startup_error, bind_port, bound_port, check_discovery_dir, check_model_path, run_until_stopped
 
 log = structlog.get_logger(__name__)
 
 
 async def serve(settings: Settings, ready_message: bool = True, engine_factory=load_engine) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (running streams finish, up to the timeout) and exit."""
+    """Serve until SIGTERM or SIGINT, then drain (running streams finish, up to the timeout) and exit.
+
+    Raises StartupError (one line, the cause) if the port is taken, the model path or the
+    discovery folder is wrong, or the engine or the cluster does not come up.
+    """
     server = settings.server
+    sock = bind_port(server.host, server.port)  # ours before the model loads: a clash fails in a second
     app = create_app(settings, engine_factory)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, server.host, server.port)
-    await site.start()
+    try:
+        if engine_factory is load_engine:
+            check_model_path(server.model)
+        if settings.distributed.router == "dynamo":
+            check_discovery_dir(settings.distributed.discovery_dir)
+        await runner.setup()  # builds the engine, or joins the workers (app.py's lifetime)
+        site = web.SockSite(runner, sock)
+        await site.start()
+    except Exception as exc:
+        sock.close()
+        try:
+            await runner.cleanup()
+        except Exception as cleanup_error:
+            log.warning("cleanup after a failed start failed", error=repr(cleanup_error))
+        raise as_startup_error(exc, server.host, server.port)
+    url = f"http://{server.host}:{bound_port(sock)}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else server.port
-    url = f"http://{server.host}:{port}"
     log.info("listening", url=url)
     if ready_message:
         from service.state import STATE
@@ -49,6 +71,5 @@ async def serve(settings: Settings, ready_message: bool = True, engine_factory=l
 
 
 def run(settings: Settings, engine_factory=load_engine) -> None:
-    import uvloop
-
-    uvloop.run(serve(settings, engine_factory=engine_factory))
+    """`pagedserve serve`: serve on uvloop until stopped; a failed start exits 1 with one line."""
+    run_until_stopped(lambda: serve(settings, engine_factory=engine_factory), "the server")

@@ -82,9 +82,12 @@ class ServiceState:
     def reserve_capacity(self, num_sequences: int) -> None:
         """503 while draining or broken; 429 when the queue beyond the running batch is full;
         else hold `num_sequences` places until release_capacity (the bridge counts them once submitted)."""
-        if not self.ready:
-            raise APIError(503, "the server is shutting down or unhealthy; retry on another replica", None,
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", None,
                            "service_unavailable", {"Retry-After": "5"})
+        if not self.bridge.healthy:
+            what = "no worker is reachable" if self.bridge.num_workers == 0 else "the engine is unhealthy"
+            raise APIError(503, f"{what}; retry shortly", None, "service_unavailable", {"Retry-After": "2"})
         per_worker = self.engine.limits.max_num_seqs + self.settings.server.max_queued_requests  # workers' own sizes
         limit = per_worker * max(1, self.bridge.num_workers)
         if self.bridge.num_inflight_sequences + self.num_reserved + num_sequences > limit:

@@ -12,9 +12,11 @@ same as in the embedded server. Each request goes to one worker:
     random       Dynamo's client, a random instance
 
 then streams from it (Client.direct). A worker that cannot be reached, or breaks, before its
-first frame costs the request a new route (3 tries): with `kv` that worker is left out until
-discovery drops it, with the plain client the next pick moves on. A worker lost mid-stream
-fails its streams (an error event and [DONE]).
+first frame costs the request a new route (3 tries), and that worker is left out of every
+pick until discovery drops it: a killed worker's entry expires with Dynamo's file-discovery
+TTL (10 s, kept alive every ~3 s by a live process). A worker lost mid-stream fails its
+streams (an error event and [DONE]). Every such failure, and no worker at all, is
+UnavailableError: 503 with Retry-After, never a 500.
 
 `RemoteModel` is the loop-side part of an engine: the checkpoint's tokenizer and the workers'
 limits (asked of a worker at start-up), so requests are validated before they leave.
@@ -23,6 +25,7 @@ limits (asked of a worker at start-up), so requests are validated before they le
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import msgspec
@@ -36,6 +39,8 @@ from runtime.tokenizer import load_tokenizer
 from service.bridge import StreamsInFlight
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo, routing_namespace
+from service.errors import UnavailableError
+from service.startup import StartupError
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -43,13 +48,13 @@ log = structlog.get_logger(__name__)
 POLL_PERIOD_S = 0.5  # how often worker stats are gathered (and new workers get the pins)
 CALL_TIMEOUT_S = 10.0  # a one-shot call (stats, pin, describe) to one worker
 MAX_ROUTE_ATTEMPTS = 3  # workers tried for one request before its first frame
-LOST_WORKER_TTL_S = 60.0  # a worker that failed is skipped this long, or until discovery drops it
+LOST_WORKER_TTL_S = 15.0  # a worker that failed is skipped this long: past discovery's TTL, so until it is dropped
 STAT_SUMS = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_kv_tokens", "num_running",
              "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_pinned_blocks")
 
 
-class WorkerLost(RuntimeError):
-    """A worker's stream broke or ended before its request did."""
+class WorkerLost(UnavailableError):
+    """No worker could take the request, or its worker's stream broke or ended before the request did."""
 
 
 class RemoteModel(RequestBuilder):
@@ -74,8 +79,10 @@ def sum_stats(per_worker: list[dict]) -> dict:
 class DynamoBridge(StreamsInFlight):
     """EngineBridge's interface, each request sent to the worker Dynamo picks (see the module docstring)."""
 
-    def __init__(self, runtime, client, router, routing: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, runtime, client, router, routing: str, loop: asyncio.AbstractEventLoop,
+                 stall_timeout_s: float = 60.0) -> None:
         self._runtime = runtime
+        self.stall_timeout_s = stall_timeout_s  # a worker silent this long (no frame, not even Waiting) is lost
         self._client = client
         self._router = router  # KvRouter when routing == "kv", else None
         self.routing = routing
@@ -88,6 +95,7 @@ class DynamoBridge(StreamsInFlight):
         self._pins: dict[str, wire.Pin] = {}  # every pin, replayed on workers that join
         self._pinned_on: dict[int, set[str]] = {}
         self._lost: dict[int, float] = {}  # worker id -> when it failed
+        self._turn = 0  # round_robin's next pick among the live workers
         self._poller: asyncio.Task | None = None
 
     # --- start-up -----------------------------------------------------------------------
@@ -109,7 +117,7 @@ class DynamoBridge(StreamsInFlight):
             reply = await _call(client, wire.Describe(), worker_ids[0])
         except TimeoutError:
             runtime.shutdown()
-            raise RuntimeError(f"no pagedserve worker answered at {endpoint_path(dist.namespace)} "
+            raise StartupError(f"no pagedserve worker answered at {endpoint_path(dist.namespace)} "
                                f"(discovery: {dist.discovery_dir}; waited up to {dist.worker_timeout_s} s for one, "
                                f"{CALL_TIMEOUT_S} s for its limits)") from None
         except BaseException:
@@ -122,7 +130,7 @@ class DynamoBridge(StreamsInFlight):
             router = core.KvRouter(endpoint, limits.block_size,
                                    core.KvRouterConfig(prefill_load_scale=dist.kv_prefill_load_scale))
         log.info("front door connected", workers=len(worker_ids), routing=dist.routing, model=model.model_name)
-        return cls(runtime, client, router, dist.routing, loop), model
+        return cls(runtime, client, router, dist.routing, loop, stall_timeout_s=dist.worker_timeout_s), model
 
     def start(self) -> None:
         self._poller = self.loop.create_task(self._poll())
@@ -166,8 +174,8 @@ class DynamoBridge(StreamsInFlight):
         Every worker, not only the one the router prefers: a pinned prefix is a tenant's hot
         system prompt, and with it resident everywhere the router can place that tenant's
         requests by load alone without losing the hit. It costs the pin's pages once per worker.
-        Raises the first worker's InvalidRequestError (e.g. the pin budget), or RuntimeError if
-        no worker took it; the workers that did take it keep it until unpin. Only a pin that was
+        Raises the first worker's InvalidRequestError (e.g. the pin budget), or WorkerLost (a 503)
+        if no worker took it; the workers that did take it keep it until unpin. Only a pin that was
         placed is replayed on workers that join.
         """
         call = wire.Pin(pin_id, prompt_token_ids, wire.salt_hex(cache_salt), shared_prefix_len)
@@ -180,7 +188,7 @@ class DynamoBridge(StreamsInFlight):
         if invalid is not None:
             raise invalid
         if not any(result is None for result in results):
-            raise RuntimeError(f"the pin {pin_id!r} was placed on no worker")
+            raise WorkerLost(f"the pin {pin_id!r} was placed on no worker (none is reachable)")
         self._pins[pin_id] = call
 
     async def _pin_on(self, worker_id: int, call: wire.Pin) -> None:
@@ -201,8 +209,11 @@ class DynamoBridge(StreamsInFlight):
         """The page map of the first live worker (the dashboard shows one engine's pages)."""
         workers = self.live_workers()
         if not workers:
-            raise RuntimeError("no live worker")
-        snapshot = await _call(self._client, wire.PageMap(), workers[0])
+            raise WorkerLost("no worker is reachable")
+        try:
+            snapshot = await _call(self._client, wire.PageMap(), workers[0])
+        except Exception as exc:  # a timeout, its Failure, or Dynamo's transport errors (plain Exceptions)
+            raise WorkerLost(f"worker {workers[0]} did not send its page map: {exc}") from exc
         snapshot["worker_id"] = workers[0]
         return snapshot
 
@@ -210,8 +221,11 @@ class DynamoBridge(StreamsInFlight):
         """Per worker, how many leading blocks of the prompt Dynamo's indexer says it holds."""
         if self._router is None:
             return {}
-        scores = await self._router.get_overlap_scores(
-            token_ids, cache_namespace=routing_namespace(cache_salt, num_shared_blocks))
+        try:
+            scores = await self._router.get_overlap_scores(
+                token_ids, cache_namespace=routing_namespace(cache_salt, num_shared_blocks))
+        except Exception as exc:  # the router knows no worker now
+            raise WorkerLost(f"the KV router could not score the prompt: {exc}") from exc
         return {str(w["worker_id"]): w["device_blocks"] for w in scores["workers"]}
 
     async def stop(self) -> None:
@@ -228,18 +242,18 @@ class DynamoBridge(StreamsInFlight):
     async def _run(self, stream: RequestStream, request: Request) -> None:
         request_id = request.request_id
         call = wire.encode(wire.generate_call(request))
-        context = import_dynamo().Context(request_id)
-        self._contexts[request_id] = context
         try:
             for _ in range(MAX_ROUTE_ATTEMPTS):
+                context = import_dynamo().Context(request_id)  # one per attempt: a stalled one's stop stays its own
+                self._contexts[request_id] = context
                 if request_id not in self.streams or await self._stream_once(stream, request, call, context):
                     return  # aborted, or the worker ended it
             stream.fail(WorkerLost(f"no worker could be reached in {MAX_ROUTE_ATTEMPTS} attempts"))
-        except Exception as exc:  # no worker at all, a lost worker, a malformed frame: the stream must end
+        except Exception as exc:  # no worker at all, a lost worker, a malformed frame: the stream must end (503)
             log.warning("request failed in the front door", request_id=request_id, error=repr(exc))
             if not stream.finished:
                 stream.fail(exc if isinstance(exc, (WorkerLost, InvalidRequestError)) else
-                            RuntimeError(f"routing failed: {exc}"))
+                            WorkerLost(f"routing failed: {exc}"))
         finally:
             self.streams.pop(request_id, None)
             self._contexts.pop(request_id, None)
@@ -259,12 +273,22 @@ class DynamoBridge(StreamsInFlight):
             if request_id not in self.streams:
                 return True  # aborted while routing: nothing sent
             try:
-                frames = await self._open(call, worker_id, context)
+                async with asyncio.timeout(self.stall_timeout_s):
+                    frames = await self._open(call, worker_id, context)
+            except TimeoutError:
+                context.stop_generating()
+                return self._lose(worker_id, request_id,
+                                  WorkerLost(f"the worker did not take the request in {self.stall_timeout_s:g} s"), False)
             except Exception as exc:
                 return self._lose(worker_id, request_id, exc, got_frame)
             while True:
                 try:
-                    item = await anext(frames, None)
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        item = await anext(frames, None)
+                except TimeoutError:  # stalled (stopped, partitioned): give it up; if it wakes, it drops the request
+                    context.stop_generating()
+                    return self._lose(worker_id, request_id,
+                                      WorkerLost(f"the worker sent nothing for {self.stall_timeout_s:g} s"), got_frame)
                 except Exception as exc:
                     return self._lose(worker_id, request_id, exc, got_frame)
                 if item is None:
@@ -273,6 +297,8 @@ class DynamoBridge(StreamsInFlight):
                 if data is None:
                     continue
                 frame = wire.decode_frame(data)
+                if isinstance(frame, wire.Waiting):
+                    continue  # alive, no news: neither a first frame nor a token
                 if not got_frame and tracked:
                     await self._router.mark_prefill_complete(request_id)
                 got_frame = True
@@ -308,13 +334,22 @@ class DynamoBridge(StreamsInFlight):
         return False
 
     async def _pick(self, request: Request) -> tuple[int | None, bool]:
-        """(worker id or None for Dynamo's client to pick, whether the KV router tracks the request)."""
+        """(worker id, whether the KV router tracks the request), among the live workers.
+
+        None: no worker is live, so Dynamo's client picks from what discovery lists (a worker
+        marked lost may have been a false alarm); with nothing listed that raises, a 503.
+        """
+        live = self.live_workers()
         if self._router is None:
-            return None, False
+            if not live:
+                return None, False
+            if self.routing == "random":
+                return random.choice(live), False
+            self._turn += 1
+            return live[self._turn % len(live)], False
         namespace = routing_namespace(request.cache_salt, request.num_shared_blocks)
         worker_id, _, _ = await self._router.best_worker(request.prompt_token_ids, request_id=request.request_id,
                                                           cache_namespace=namespace)
-        live = self.live_workers()
         if worker_id in live or not live:
             return worker_id, True
         await self._router.free(request.request_id)  # the router still lists a lost worker: least loaded instead
@@ -350,7 +385,7 @@ class DynamoBridge(StreamsInFlight):
             del self._pinned_on[worker_id]
         results = await asyncio.gather(*(_call(self._client, wire.Stats(), w) for w in workers),
                                        return_exceptions=True)
-        self.stats = sum_stats([r for r in results if isinstance(r, dict)])
+        self.stats = {**sum_stats([r for r in results if isinstance(r, dict)]), "num_workers": len(workers)}
         for worker_id in workers:
             missing = [call for pin_id, call in self._pins.items() if pin_id not in self._pinned_on.get(worker_id, ())]
             for call in missing:  # a worker that joined (or restarted) gets every pin

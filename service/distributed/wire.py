@@ -91,7 +91,15 @@ class Reply(msgspec.Struct, tag="reply"):
     value: Any
 
 
-Frame = Output | Done | Failure | Reply
+class Waiting(msgspec.Struct, tag="waiting"):
+    """A heartbeat: the request is alive on the worker but has no news (queued, or in a long prefill).
+
+    A front door that hears nothing from a worker for distributed.worker_timeout_s gives the
+    request up as lost; these keep a live but slow request from looking like a stalled worker.
+    """
+
+
+Frame = Output | Done | Failure | Reply | Waiting
 
 
 def failure_error(frame: Failure) -> Exception:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import sys
 
 import msgspec
 import structlog
@@ -28,11 +29,34 @@ from service.distributed.dynamo_runtime import create_runtime, endpoint_path, im
 from service.distributed.kv_publisher import DynamoKvPublisher
 from service.grammars import LoopCompiles
 from service.metrics import CONTENT_TYPE, ServiceMetrics
+from service.startup import as_startup_error, bind_port, bound_port, check_discovery_dir, check_model_path, run_until_stopped
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
 
 LOAD_PERIOD_S = 0.1  # how often the worker's load goes to the router
+HEARTBEAT_S = 2.0  # a request with no news this long sends a Waiting frame (front doors give up after worker_timeout_s)
+
+
+async def _with_heartbeats(items, period_s: float):
+    """`items`' values as they come, and None whenever `period_s` passes without one."""
+    iterator = items.__aiter__()
+    pending = asyncio.ensure_future(iterator.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait([pending], timeout=period_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(iterator.__anext__())
+    finally:
+        if not pending.done():
+            pending.cancel()
 
 
 class Worker:
@@ -74,8 +98,11 @@ class Worker:
         self.bridge.submit(stream, request)
         watcher = asyncio.ensure_future(self._abort_when_stopped(context, request.request_id))
         try:
-            async for deltas in stream.deltas():
-                yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens)
+            async for deltas in _with_heartbeats(stream.deltas(), HEARTBEAT_S):
+                if deltas is None:
+                    yield wire.Waiting()
+                else:
+                    yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens)
             yield wire.Done(stream.num_cached_tokens)
         except Exception as exc:  # the engine failed the request (stream.fail)
             log.warning("request failed on the worker", request_id=request.request_id, error=repr(exc))
@@ -112,12 +139,17 @@ class Worker:
         raise TypeError(f"unhandled call {call!r}")  # every Call type is handled above
 
 
-def _probe_app(bridge: EngineBridge, metrics: ServiceMetrics) -> web.Application:
-    """/health, /ready, /metrics and /stats (the engine's JSON stats) on the worker's probe port."""
+def _probe_app(bridge: EngineBridge, metrics: ServiceMetrics, registered: asyncio.Event) -> web.Application:
+    """/health, /ready, /metrics and /stats (the engine's JSON stats) on the worker's probe port.
+
+    /ready answers 503 until the worker is registered with Dynamo (and while its engine is unhealthy).
+    """
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        if not registered.is_set():
+            return web.json_response({"status": "not ready", "reason": "not registered with Dynamo"}, status=503)
         if not bridge.healthy:
             return web.json_response({"status": "not ready"}, status=503)
         return web.json_response({"status": "ready"})
@@ -147,44 +179,56 @@ async def _publish_load(bridge: EngineBridge, publisher) -> None:
 
 
 async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
-    """Run a worker until SIGTERM or SIGINT: build the engine, serve the endpoint, register the model.
+    """Run a worker until SIGTERM or SIGINT.
+
+    Start-up is all or nothing, in this order: take the probe port, check the model path and
+    the discovery folder, build the engine, open the probes; only then join Dynamo (serve the
+    endpoint, register the model). A failure at any step undoes the ones before it (nothing
+    stays registered) and raises StartupError naming the cause.
 
     On the signal it leaves discovery first (the router stops sending), lets what runs finish
     (up to server.shutdown_timeout_s), then stops.
     """
-    core = import_dynamo()
     loop = asyncio.get_running_loop()
     dist = settings.distributed
-    runtime = create_runtime(loop, dist.discovery_dir)
-    endpoint = runtime.endpoint(endpoint_path(dist.namespace))
-    engine, bridge = await start_engine(engine_factory, settings)
+    host = settings.server.host
+    sock = bind_port(host, dist.worker_port)  # ours before the model loads; 0: a free one
+    try:
+        core = import_dynamo()
+        if engine_factory is load_engine:
+            check_model_path(settings.server.model)
+        check_discovery_dir(dist.discovery_dir)
+        engine, bridge = await start_engine(engine_factory, settings)
+    except Exception as exc:
+        sock.close()
+        raise as_startup_error(exc, host, dist.worker_port)
     model_name = settings.server.served_model_name or engine.model_name
-    publishers = _kv_publishers(endpoint, engine.block_size, settings)
-    bridge.on_kv_events = lambda events: [publisher.publish(events) for publisher in publishers]
-    bridge.start()
-    load_publisher = core.WorkerMetricsPublisher()
-    await load_publisher.create_endpoint(endpoint)
-    load_task = asyncio.create_task(_publish_load(bridge, load_publisher))
-    worker = Worker(engine, bridge, model_name)
-    serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.handle, graceful_shutdown=False))
-    await _register(core, endpoint, settings, engine, model_name)
-    runner = web.AppRunner(_probe_app(bridge, ServiceMetrics(lambda: bridge.stats, model_name)), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, settings.server.host, settings.server.port).start()
+    registered = asyncio.Event()
+    runner = web.AppRunner(_probe_app(bridge, ServiceMetrics(lambda: bridge.stats, model_name), registered),
+                           access_log=None)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+    except Exception as exc:
+        sock.close()
+        await _close_quietly(bridge, runner)
+        raise as_startup_error(exc, host, dist.worker_port)
+    probes = f"http://{host}:{bound_port(sock)}"
+    joined = await _join_dynamo(core, loop, settings, engine, bridge, model_name, runner)
+    runtime, endpoint, serving, load_task, publishers = joined
+    registered.set()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("worker serving", model=model_name, worker_id=endpoint.connection_id(), endpoint=endpoint_path(dist.namespace),
-             probes=f"http://{settings.server.host}:{settings.server.port}", discovery_dir=dist.discovery_dir)
+             probes=probes, discovery_dir=dist.discovery_dir)
+    print(f"pagedserve worker {endpoint.connection_id()} is serving {model_name!r}; probes at {probes}",
+          file=sys.stderr, flush=True)
     done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), serving], return_when=asyncio.FIRST_COMPLETED)
     if serving in done and serving.exception() is not None:
         log.error("the endpoint stopped", error=repr(serving.exception()))
     log.info("worker stopping: leaving discovery, then draining", num_inflight=bridge.num_inflight)
-    try:
-        await core.unregister_model(endpoint)
-        await endpoint.unregister_endpoint_instance()
-    except Exception as exc:
-        log.warning("could not unregister from discovery", error=repr(exc))
+    await _leave_discovery(core, endpoint)
     deadline = loop.time() + settings.server.shutdown_timeout_s
     while bridge.num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
@@ -195,6 +239,66 @@ async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
     await runner.cleanup()
     runtime.shutdown()
     log.info("worker stopped")
+
+
+ENDPOINT_START_S = 0.2  # how long the endpoint must keep serving after registration to count as started
+
+
+async def _join_dynamo(core, loop, settings: Settings, engine, bridge: EngineBridge, model_name: str, runner):
+    """Serve the endpoint and register the model: (runtime, endpoint, serving task, load task, publishers).
+
+    On any failure, what was registered is removed and the runtime shut down before
+    StartupError is raised: a worker that did not start is never routed to.
+    """
+    dist = settings.distributed
+    runtime = endpoint = serving = load_task = None
+    publishers: list = []
+    try:
+        runtime = create_runtime(loop, dist.discovery_dir)
+        endpoint = runtime.endpoint(endpoint_path(dist.namespace))
+        publishers = _kv_publishers(endpoint, engine.block_size, settings)
+        bridge.on_kv_events = lambda events: [publisher.publish(events) for publisher in publishers]
+        bridge.start()
+        load_publisher = core.WorkerMetricsPublisher()
+        await load_publisher.create_endpoint(endpoint)
+        load_task = asyncio.create_task(_publish_load(bridge, load_publisher))
+        worker = Worker(engine, bridge, model_name)
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.handle, graceful_shutdown=False))
+        await _register(core, endpoint, settings, engine, model_name)
+        done, _ = await asyncio.wait([serving], timeout=ENDPOINT_START_S)
+        if serving in done:  # serving ended at once: its error, or a plain stop, is a failed start
+            raise serving.exception() or RuntimeError("the Dynamo endpoint stopped as soon as it started")
+        return runtime, endpoint, serving, load_task, publishers
+    except Exception as exc:
+        error = as_startup_error(exc)
+        if endpoint is not None:
+            await _leave_discovery(core, endpoint)
+        for task in (serving, load_task):
+            if task is not None:
+                task.cancel()
+        for publisher in publishers:
+            publisher.close()
+        await _close_quietly(bridge, runner)
+        if runtime is not None:
+            runtime.shutdown()  # also deletes the discovery files this process wrote
+        raise error from None
+
+
+async def _leave_discovery(core, endpoint) -> None:
+    """Unregister the model and the endpoint instance (best effort: the TTL removes what is left)."""
+    try:
+        await core.unregister_model(endpoint)
+        await endpoint.unregister_endpoint_instance()
+    except Exception as exc:
+        log.warning("could not unregister from discovery", error=repr(exc))
+
+
+async def _close_quietly(bridge: EngineBridge, runner: web.AppRunner) -> None:
+    for close in (bridge.stop, runner.cleanup):
+        try:
+            await close()
+        except Exception as exc:
+            log.warning("cleanup after a failed start failed", error=repr(exc))
 
 
 def _kv_publishers(endpoint, block_size: int, settings: Settings) -> list:
@@ -222,6 +326,5 @@ async def _register(core, endpoint, settings: Settings, engine, model_name: str)
 
 
 def run_worker(settings: Settings) -> None:
-    import uvloop
-
-    uvloop.run(serve_worker(settings))
+    """`pagedserve worker`: serve until stopped; a failed start exits 1 with one line naming the cause."""
+    run_until_stopped(lambda: serve_worker(settings), "the worker")

@@ -15,6 +15,7 @@ from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 from service.distributed import wire
 from service.distributed.front_door import DynamoBridge
+from service.errors import from_exception
 from service.streams import RequestStream
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
@@ -28,10 +29,15 @@ class Item:
         return self._data
 
 
+STALL = "stall"  # in a script: the worker goes silent (SIGSTOP, a partition)
+
+
 async def _frames(script):
     for step in script:
         if isinstance(step, Exception):
             raise step
+        if step == STALL:
+            await asyncio.sleep(3600)
         await asyncio.sleep(0)
         yield Item(step)
 
@@ -88,9 +94,9 @@ def _output(text: str) -> dict:
 DONE = wire.encode(wire.Done(16))
 
 
-def _run(client: FakeClient, router: FakeRouter, body):
+def _run(client: FakeClient, router: FakeRouter | None, body, routing: str = "kv", stall_timeout_s: float = 60.0):
     async def main():
-        bridge = DynamoBridge(FakeRuntime(), client, router, "kv", asyncio.get_running_loop())
+        bridge = DynamoBridge(FakeRuntime(), client, router, routing, asyncio.get_running_loop(), stall_timeout_s)
         request = Request("r1", None, [1, 2, 3], SamplingParams(max_tokens=4), b"salt")
         stream = RequestStream("r1", 3)
         bridge.submit(stream, request)
@@ -164,3 +170,51 @@ def test_an_abort_while_the_router_chooses_sends_nothing():
     assert stream.finished and stream.finish_reasons == ["abort"]
     assert router.freed == router.tracked == ["r1"]
     assert not bridge.streams and not bridge._contexts
+
+
+class BrokenRouter(FakeRouter):
+    async def best_worker(self, token_ids, request_id=None, cache_namespace=None):
+        raise Exception("no instances of pagedserve/worker/generate")
+
+
+def test_every_routing_failure_is_a_503_with_retry_after_never_a_500():
+    unreachable = Exception("Unavailable: TCP connection failed")
+    for client, router in ((FakeClient({1: unreachable, 2: unreachable, 3: unreachable}), FakeRouter([1, 2, 3])),
+                           (FakeClient({1: [_output("x")]}), FakeRouter([1])),  # lost after its first frame
+                           (FakeClient({1: [_output("x")]}), BrokenRouter([]))):  # the router itself fails
+        _, stream = _run(client, router, _wait_end)
+        error = from_exception(stream.error)
+        assert error.status == 503 and error.headers["Retry-After"], error.body()
+        assert error.body()["error"]["code"] == "service_unavailable"
+
+
+def test_plain_routing_picks_among_live_workers_and_skips_a_lost_one():
+    client = FakeClient({1: Exception("Unavailable: TCP connection failed"), 2: [_output("hi"), DONE]})
+
+    async def three_more(bridge, stream):
+        await _wait_end(bridge, stream)
+        for i in range(3):
+            follow = RequestStream(f"r{i + 2}", 3)
+            bridge.submit(follow, Request(f"r{i + 2}", None, [1, 2, 3], SamplingParams(max_tokens=4), None))
+            await _wait_end(bridge, follow)
+            assert follow.error is None
+
+    bridge, stream = _run(client, None, three_more, routing="round_robin")
+    assert stream.error is None
+    assert client.opened == [2, 1, 2, 2, 2]  # 1 was tried once, then left out
+
+
+WAITING = wire.encode(wire.Waiting())
+
+
+def test_a_silent_worker_is_given_up_after_the_stall_timeout_and_waiting_frames_keep_a_slow_one():
+    client = FakeClient({1: [WAITING, STALL], 2: [WAITING, WAITING, _output("hi"), DONE]})
+    router = FakeRouter([1, 2])
+    bridge, stream = _run(client, router, _wait_end, stall_timeout_s=0.2)
+    assert client.opened == [1, 2]  # a heartbeat is not a first frame: the stalled request is routed again
+    assert stream.error is None and [d.text for d in stream.take()] == ["hi"]
+    assert bridge.live_workers() == [2] and router.freed == ["r1", "r1"]
+    client = FakeClient({1: [_output("a"), STALL]})
+    _, stream = _run(client, FakeRouter([1]), _wait_end, stall_timeout_s=0.2)
+    error = from_exception(stream.error)  # part of the answer went out: the request fails, as a 503
+    assert error.status == 503 and "sent nothing for 0.2 s" in error.message

@@ -75,3 +75,21 @@ def test_a_request_with_a_shared_prefix_is_routed_unsalted():
     assert routing_namespace(b"\xab", 0) == "ab"
     assert routing_namespace(b"\xab", 3) is None  # the shared blocks are hashed without a salt
     assert routing_namespace(None, 0) is None
+
+
+def test_a_quiet_request_on_the_worker_sends_heartbeats_between_its_items():
+    import asyncio
+
+    from service.distributed.worker import _with_heartbeats
+
+    async def slow():
+        await asyncio.sleep(0.35)
+        yield "a"
+        yield "b"
+
+    async def collect():
+        return [item async for item in _with_heartbeats(slow(), 0.1)]
+
+    got = asyncio.run(collect())
+    assert got[-2:] == ["a", "b"] and set(got[:-2]) == {None} and 2 <= len(got) - 2 <= 4
+    assert msgspec.convert(wire.encode(wire.Waiting()), wire.Frame) == wire.Waiting()

@@ -47,8 +47,8 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, t
         events: list[bytes] = []
 
         def stream():
-            body = {"model": "stories260K", "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True,
-                    "temperature": 0}
+            body = {"model": "stories260K", "prompt": "Once", "max_tokens": 480, "ignore_eos": True, "stream": True,
+                    "temperature": 0, "n": 8}  # long enough to still run after the checks below
             with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as response:
                 events.extend(line for line in response.iter_lines() if line)
 
@@ -57,14 +57,15 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, t
         while not events:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.1)
         assert requests.get(url + "/ready", timeout=5).status_code == 503
         refused = requests.post(url + "/v1/completions", json={"model": "stories260K", "prompt": "x"}, timeout=5)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
         reader.join(60)
         assert events[-1] == b"data: [DONE]"
-        last = json.loads(events[-2][len(b"data: "):])
-        assert last["choices"][0]["finish_reason"] == "length"  # it ran to the end, not aborted
+        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        reasons = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]}
+        assert reasons == dict.fromkeys(range(8), "length")  # every sample ran to the end, not aborted
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from config import Settings
 from service.app import create_app, drain, load_engine
-from service.startup import as_startup_error, bind_port, bound_port, check_discovery_dir, check_model_path, run_until_stopped
+from service.startup import as_startup_error, bound_port, close_quietly, preflight, run_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -28,23 +28,16 @@ async def serve(settings: Settings, ready_message: bool = True, engine_factory=l
     discovery folder is wrong, or the engine or the cluster does not come up.
     """
     server = settings.server
-    sock = bind_port(server.host, server.port)  # ours before the model loads: a clash fails in a second
+    sock = preflight(server.host, server.port, server.model if engine_factory is load_engine else None,
+                     settings.distributed.discovery_dir if settings.distributed.router == "dynamo" else None)
     app = create_app(settings, engine_factory)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     try:
-        if engine_factory is load_engine:
-            check_model_path(server.model)
-        if settings.distributed.router == "dynamo":
-            check_discovery_dir(settings.distributed.discovery_dir)
         await runner.setup()  # builds the engine, or joins the workers (app.py's lifetime)
-        site = web.SockSite(runner, sock)
-        await site.start()
+        await web.SockSite(runner, sock).start()
     except Exception as exc:
         sock.close()
-        try:
-            await runner.cleanup()
-        except Exception as cleanup_error:
-            log.warning("cleanup after a failed start failed", error=repr(cleanup_error))
+        await close_quietly(runner.cleanup)
         raise as_startup_error(exc, server.host, server.port)
     url = f"http://{server.host}:{bound_port(sock)}"
     stop = asyncio.Event()

@@ -83,6 +83,31 @@ def check_discovery_dir(discovery_dir: str) -> Path:
     return folder
 
 
+def preflight(host: str, port: int, model: str | None, discovery_dir: str | None) -> socket.socket:
+    """The checks every serving command makes before anything slow: its port (bound, returned), then
+    the model path (None: a custom engine factory, not checked) and the discovery folder (None: not
+    behind Dynamo). Raises StartupError, with the port released, on the first that fails."""
+    sock = bind_port(host, port)
+    try:
+        if model is not None:
+            check_model_path(model)
+        if discovery_dir is not None:
+            check_discovery_dir(discovery_dir)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def close_quietly(*closers: Callable[[], Coroutine]) -> None:
+    """Await each closer after a failed start, logging (not raising) what fails: the start's error is what counts."""
+    for close in closers:
+        try:
+            await close()
+        except Exception as exc:
+            log.warning("cleanup after a failed start failed", error=repr(exc))
+
+
 def describe_failure(exc: BaseException) -> str:
     """The one line for a start-up failure: a StartupError's own, else what raised and why."""
     if isinstance(exc, StartupError):

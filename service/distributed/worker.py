@@ -29,7 +29,7 @@ from service.distributed.dynamo_runtime import create_runtime, endpoint_path, im
 from service.distributed.kv_publisher import DynamoKvPublisher
 from service.grammars import LoopCompiles
 from service.metrics import CONTENT_TYPE, ServiceMetrics
-from service.startup import as_startup_error, bind_port, bound_port, check_discovery_dir, check_model_path, run_until_stopped
+from service.startup import as_startup_error, bound_port, close_quietly, preflight, run_until_stopped
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -192,12 +192,10 @@ async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
     loop = asyncio.get_running_loop()
     dist = settings.distributed
     host = settings.server.host
-    sock = bind_port(host, dist.worker_port)  # ours before the model loads; 0: a free one
+    sock = preflight(host, dist.worker_port, settings.server.model if engine_factory is load_engine else None,
+                     dist.discovery_dir)  # the port is ours before the model loads; 0: a free one
     try:
         core = import_dynamo()
-        if engine_factory is load_engine:
-            check_model_path(settings.server.model)
-        check_discovery_dir(dist.discovery_dir)
         engine, bridge = await start_engine(engine_factory, settings)
     except Exception as exc:
         sock.close()
@@ -211,7 +209,7 @@ async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
         await web.SockSite(runner, sock).start()
     except Exception as exc:
         sock.close()
-        await _close_quietly(bridge, runner)
+        await close_quietly(bridge.stop, runner.cleanup)
         raise as_startup_error(exc, host, dist.worker_port)
     probes = f"http://{host}:{bound_port(sock)}"
     joined = await _join_dynamo(core, loop, settings, engine, bridge, model_name, runner)
@@ -278,7 +276,7 @@ async def _join_dynamo(core, loop, settings: Settings, engine, bridge: EngineBri
                 task.cancel()
         for publisher in publishers:
             publisher.close()
-        await _close_quietly(bridge, runner)
+        await close_quietly(bridge.stop, runner.cleanup)
         if runtime is not None:
             runtime.shutdown()  # also deletes the discovery files this process wrote
         raise error from None
@@ -291,14 +289,6 @@ async def _leave_discovery(core, endpoint) -> None:
         await endpoint.unregister_endpoint_instance()
     except Exception as exc:
         log.warning("could not unregister from discovery", error=repr(exc))
-
-
-async def _close_quietly(bridge: EngineBridge, runner: web.AppRunner) -> None:
-    for close in (bridge.stop, runner.cleanup):
-        try:
-            await close()
-        except Exception as exc:
-            log.warning("cleanup after a failed start failed", error=repr(exc))
 
 
 def _kv_publishers(endpoint, block_size: int, settings: Settings) -> list:

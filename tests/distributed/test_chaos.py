@@ -315,7 +315,8 @@ def test_workers_fail_to_start_cleanly_die_under_load_and_come_back(tmp_path, st
     outcomes = load.outcomes
     assert not load.failures, load.failures  # no client timed out or lost its connection
     longest = max(o.ended - o.started for o in outcomes)
-    assert longest < WORKER_TIMEOUT_S + 3.0, longest  # a stalled request is given up at the timeout, not later
+    # the worst case: sent to the stopped worker, given up after the timeout, then served in full elsewhere
+    assert longest < 2 * WORKER_TIMEOUT_S, longest
     stalled = [o for o in outcomes if o.started < stopped_at < o.ended and o.error is not None]
     assert stalled and all(o.ended - stopped_at >= WORKER_TIMEOUT_S - 0.5 for o in stalled)
     assert not [o for o in outcomes if o.status == 500 or (o.error and o.error.get("code") != "service_unavailable")]

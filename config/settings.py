@@ -34,6 +34,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     kernel_backend: str = "auto"
     pinned_block_budget: int = 64  # pages that pinned prefixes may hold in all
+    quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its Q4/Q8), none, int8, int4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -46,6 +47,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"engine.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ConfigError(f"engine.quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
@@ -56,7 +59,7 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The HTTP side: where it listens, what it serves, how much it queues."""
 
-    model: str = "demo"  # a Hugging Face checkpoint folder, or "demo" (random weights)
+    model: str = "demo"  # a Hugging Face checkpoint folder, a GGUF file, or "demo" (random weights)
     served_model_name: str | None = None  # the id clients send; defaults to the folder name
     host: str = "127.0.0.1"
     port: int = 8000

@@ -23,8 +23,11 @@ from runtime.kv_cache_manager import KVCacheManager
 from runtime.kv_events import KVEvent
 from runtime.model.config import ModelConfig, load_model_config
 from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
+from runtime.model.gguf_file import GGUFCheckpoint, is_gguf_path
+from runtime.model.gguf_loader import load_gguf_model
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import load_model
+from runtime.model.quantize import check_quantization, quantize_model
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from runtime.request import Request, Sequence, SequenceStatus
@@ -87,11 +90,11 @@ class Engine(RequestBuilder):
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, show_progress: bool = False, settings_file=None, **overrides) -> Engine:
-        """Load a Hugging Face checkpoint folder, or "demo" for the built-in random-weight model.
+        """Load a Hugging Face checkpoint folder, a GGUF file, or "demo" for the built-in random-weight model.
 
-        Keyword overrides are EngineSettings fields: device, dtype, block_size, num_blocks,
-        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-        max_model_len, seed, kernel_backend.
+        Keyword overrides are EngineSettings fields: device, dtype, quantization, block_size,
+        num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, max_model_len, seed, kernel_backend.
         """
         settings = load_engine_settings(settings_file, **overrides)
         device = torch.device(settings.device)
@@ -99,11 +102,22 @@ class Engine(RequestBuilder):
         if str(model) == "demo":
             log.warning("loading the demo model: RANDOM weights, its text is noise", model=DEMO_MODEL_NAME)
             return cls(build_demo_model(device, dtype), ByteTokenizer(), settings, DEMO_MODEL_NAME)
-        model_dir = Path(model)
-        config = load_model_config(model_dir)
-        log.info("loading model", path=str(model_dir), model_type=config.model_type, layers=config.num_layers)
-        net = load_model(config, model_dir, device, dtype, show_progress=show_progress)
-        return cls(net, HFTokenizer(model_dir), settings, model_dir.name)
+        path = Path(model)
+        if is_gguf_path(path):
+            checkpoint = GGUFCheckpoint(path)
+            config = checkpoint.model_config()
+            log.info("loading GGUF", path=str(path), architecture=checkpoint.architecture, layers=config.num_layers,
+                     types=checkpoint.tensor_types, quantization=settings.quantization)
+            tokenizer = HFTokenizer.from_gguf(path, checkpoint)
+            net = load_gguf_model(checkpoint, device, dtype, settings.quantization, show_progress=show_progress)
+            checkpoint.close()
+            return cls(net, tokenizer, settings, path.name.removesuffix(".gguf"))
+        config = load_model_config(path)
+        log.info("loading model", path=str(path), model_type=config.model_type, layers=config.num_layers)
+        check_quantization(settings.quantization, device)
+        net = load_model(config, path, device, dtype, show_progress=show_progress)
+        quantize_model(net, settings.quantization)
+        return cls(net, HFTokenizer(path), settings, path.name)
 
     # --- requests: validated once (prepare_request, from RequestBuilder), then queued (add) ---
 

@@ -1,4 +1,4 @@
-"""Tokenizers: a checkpoint's tokenizer.json (via `tokenizers`), or the demo byte tokenizer.
+"""Tokenizers: a checkpoint's tokenizer.json or a GGUF file's vocabulary (via `tokenizers`), or the demo byte tokenizer.
 
 Both answer the same calls: encode, decode, raw_byte, bos/eos ids, vocab_size, apply_chat_template.
 """
@@ -22,27 +22,54 @@ def _token_text(value) -> str | None:
 
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer from tokenizer.json + tokenizer_config.json."""
+    """A Hugging Face fast tokenizer: a folder's tokenizer.json + tokenizer_config.json, or a GGUF file's metadata."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise UnsupportedModelError(f"{model_dir} has no tokenizer.json")
-        self._tokenizer = _RustTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
+        self._setup(_RustTokenizer.from_file(str(path)), _token_text(config.get("bos_token")),
+                    _token_text(config.get("eos_token")), template)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, checkpoint=None) -> HFTokenizer:
+        """The tokenizer and chat template a GGUF file's metadata holds, built by transformers' GGUF
+        conversion (the same tokens transformers gives for that file). `checkpoint`: the file, already
+        open (a GGUFCheckpoint). GGUFError if the file has no tokenizer."""
+        from runtime.model.gguf_file import GGUFCheckpoint, GGUFError
+
+        path = Path(path)
+        checkpoint = checkpoint or GGUFCheckpoint(path)
+        missing = [key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if not checkpoint.has_field(key)]
+        if missing:
+            raise GGUFError(f"{path}: the file's metadata holds no tokenizer ({', '.join(missing)} missing)")
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:
+            raise GGUFError(f"{path}: its tokenizer could not be built ({type(exc).__name__}: {exc})") from exc
+        tokenizer = cls.__new__(cls)
+        tokenizer._setup(hf.backend_tokenizer, hf.bos_token, hf.eos_token, hf.chat_template)
+        return tokenizer
+
+    def _setup(self, rust_tokenizer: _RustTokenizer, bos_token: str | None, eos_token: str | None,
+               template: str | None) -> None:
+        self._tokenizer = rust_tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template = ChatTemplate(template, self.bos_token, self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -112,5 +139,10 @@ class ByteTokenizer:
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer of a checkpoint folder, or the byte tokenizer for "demo" (what Engine.from_pretrained uses)."""
-    return ByteTokenizer() if str(model) == "demo" else HFTokenizer(model)
+    """The tokenizer of a checkpoint folder or GGUF file, or the byte tokenizer for "demo" (what
+    Engine.from_pretrained uses)."""
+    if str(model) == "demo":
+        return ByteTokenizer()
+    if str(model).lower().endswith(".gguf"):
+        return HFTokenizer.from_gguf(model)
+    return HFTokenizer(model)

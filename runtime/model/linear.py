@@ -21,6 +21,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from runtime.model.quantized import QuantizedWeight
+
 PACKED_MAX_TOKENS = 128  # every size up to here has its own primitive, built at start
 PADDED_ROW_STEP = 64  # longer inputs are padded to a multiple of this
 PADDED_MAX_TOKENS = 4096  # 4 layer shapes x (128 + 62) sizes: 760 primitives, within oneDNN's cache of 1,024
@@ -44,11 +46,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:  # opaque oneDNN tensor of weigh
 
 def linear(
     x: torch.Tensor,  # [num_tokens, in_features]
-    weight: torch.Tensor,  # [out_features, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]; unused (empty) for a quantized weight
     bias: torch.Tensor | None,  # [out_features]
-    packed: torch.Tensor | None,  # pack(weight), or None
+    packed,  # pack(weight), a QuantizedWeight (runtime/model/quantized.py), or None
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """x @ weight.T + bias, through the packed weight when there is one and x is not too long."""
+    """x @ weight.T + bias, through the packed or quantized weight when there is one and x is not too long."""
+    if isinstance(packed, QuantizedWeight):
+        return packed.linear(x, bias)
     rows = x.shape[0]
     if packed is None or rows > PADDED_MAX_TOKENS:
         return F.linear(x, weight, bias)

@@ -23,6 +23,7 @@ from kernels import fused_ops
 from runtime.attention import AttentionMetadata, paged_attention
 from runtime.model import linear
 from runtime.model.config import ModelConfig
+from runtime.model.quantized import EncodedRows, QuantizedWeight
 from runtime.model.rope import rope_cos_sin
 
 
@@ -112,7 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of lm_head, once packed
+        self.lm_head_packed = None  # oneDNN layout of lm_head once packed, or its QuantizedWeight
+        self.embed_rows = None  # set when the embedding table is kept quantized: .rows(ids, dtype) looks rows up
         self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
 
     def place(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -154,7 +156,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]; updated in place
+        if self.embed_rows is None:
+            residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]; updated in place
+        else:
+            residual = self.embed_rows.rows(input_ids, self.norm.weight.dtype)
         native = fused_ops.native_for(residual)
         normed = self.layers[0].input_layernorm(None, residual, native)
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -162,6 +167,21 @@ class LlamaForCausalLM(nn.Module):
             normed = layer(normed, residual, next_norm, positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                            meta, native)
         return normed
+
+    def linear_slots(self) -> list[tuple[nn.Module, str]]:
+        """(module, name) of every matmul weight: `{name}_weight`, `{name}_bias`, `{name}_packed` on the module."""
+        slots = []
+        for layer in self.layers:
+            slots += [(layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")]
+        return slots
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold: parameters plus quantized forms (a tied table counted once)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        forms = [getattr(module, f"{name}_packed") for module, name in self.linear_slots()]
+        forms += [self.lm_head_packed, self.embed_rows]
+        unique = {id(form): form for form in forms if isinstance(form, (QuantizedWeight, EncodedRows))}
+        return total + sum(form.nbytes() for form in unique.values())  # oneDNN's packed copies are not counted
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size], float32
         return linear.linear(hidden, self.lm_head, None, self.lm_head_packed).float()

@@ -35,7 +35,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slice] | None:
+def weight_target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slice] | None:
     """The parameter and row range a checkpoint tensor fills, or None if we do not use it."""
     config = model.config
     if key == "model.embed_tokens.weight":
@@ -90,7 +90,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: 
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    target = _target(model, key)
+                    target = weight_target(model, key)
                     if target is None:
                         log.debug("checkpoint tensor unused", key=key)
                         continue

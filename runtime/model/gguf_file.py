@@ -1,0 +1,230 @@
+"""A GGUF file (llama.cpp's format) as this runtime reads it: architecture, tokenizer, tensors.
+
+The file is opened with llama.cpp's own reader (the `gguf` package), which maps it into
+memory: nothing is read until a tensor is asked for, and tensors are handed out one at a
+time under their Hugging Face names, so a loader never holds more than one of them
+unpacked. Every problem (not a GGUF file, cut short, an architecture or tensor type this
+runtime does not run) is a GGUFError naming the file.
+
+llama.cpp's converter reorders the rows of q and k in Llama-family files (each head's rotary
+pairs interleaved, for its rope kernel); `tensors()` puts them back in Hugging Face's order.
+A row holds whole quantization blocks, so this works on the raw blocks, quantized or not.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.model import ggml_blocks
+from runtime.model.config import ModelConfig, UnsupportedModelError, model_config_from_hf
+
+ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral checkpoints as "llama"
+PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows reordered by llama.cpp's converter
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFError(UnsupportedModelError):
+    """A GGUF file this runtime cannot run; the message names the file and the problem."""
+
+
+def is_gguf_path(model: str | Path) -> bool:
+    """Whether `model` names a GGUF file (by its suffix; the file need not exist)."""
+    return str(model).lower().endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file, under its Hugging Face name, still encoded as the file has it."""
+
+    name: str  # Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    gguf_name: str  # the file's name, e.g. "blk.0.attn_q.weight"
+    qtype: int  # ggml type id (runtime/model/ggml_blocks.py)
+    shape: tuple[int, ...]  # torch order: [out_features, in_features] for a matrix
+    raw: np.ndarray  # the encoded data (a view of the memory map, rows already in Hugging Face's order)
+
+    @property
+    def type_name(self) -> str:
+        return ggml_blocks.type_name(self.qtype)
+
+    def dequantize(self) -> torch.Tensor:  # float32 `shape`
+        return ggml_blocks.dequantize(self.raw, self.qtype, self.shape)
+
+
+def _inverse_rope_permutation(rows: int, num_heads: int) -> np.ndarray:  # int64 [rows]
+    """Row order that undoes llama.cpp's q/k permutation: hf_rows = gguf_rows[order].
+
+    The converter writes gguf = hf.reshape(heads, 2, half, ...).swapaxes(1, 2): row
+    (h, i, j) of the file (i < half, j < 2) is Hugging Face's row (h, j, i).
+    """
+    half = rows // num_heads // 2
+    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)  # [hf row] -> file row
+
+
+class GGUFCheckpoint:
+    """An open GGUF file: its metadata, model config and tensors (read lazily from the memory map)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path}: no such file")
+        from gguf import GGUFReader  # llama.cpp's reader
+
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except Exception as exc:  # the reader raises ValueError, IndexError, struct errors ... on a bad file
+            raise GGUFError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                            "the file may be cut short or not a GGUF file at all") from exc
+        self._fields = self._reader.fields
+        self.architecture = self.field("general.architecture", None)
+        if self.architecture not in ARCHITECTURES:
+            raise GGUFError(f"{self.path}: architecture {self.architecture!r} is not supported "
+                            f"(supported: {', '.join(ARCHITECTURES)})")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._check_tensor_data()
+
+    def _check_tensor_data(self) -> None:
+        """Every tensor's bytes lie inside the file (a cut-short file fails here, not mid-load)."""
+        size = self.path.stat().st_size
+        for tensor in self._reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise GGUFError(f"{self.path}: cut short: tensor {tensor.name} ends at byte {end}, "
+                                f"past the file's {size} bytes")
+            if int(tensor.tensor_type) not in ggml_blocks.SUPPORTED_TYPES:
+                raise GGUFError(f"{self.path}: tensor {tensor.name} has type "
+                                f"{getattr(tensor.tensor_type, 'name', tensor.tensor_type)}, which this runtime "
+                                f"does not read (supported: {', '.join(ggml_blocks.TYPE_NAMES.values())})")
+
+    _MISSING = object()
+
+    def field(self, key: str, default=_MISSING):
+        """A metadata value (str, number, or list), or `default` if the file lacks it."""
+        field = self._fields.get(key)
+        if field is None:
+            if default is self._MISSING:
+                raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+            return default
+        if len(field.types) > 1 and field.types[0].name == "ARRAY":
+            return [field.contents(i) for i in range(len(field.data))]
+        return field.contents()
+
+    def has_field(self, key: str) -> bool:
+        return key in self._fields
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    @property
+    def tensor_types(self) -> dict[str, int]:
+        """How many tensors of each ggml type the file holds, by type name."""
+        counts: dict[str, int] = {}
+        for tensor in self._reader.tensors:
+            name = ggml_blocks.type_name(int(tensor.tensor_type))
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def hf_config(self) -> dict:
+        """The model's Hugging Face config.json fields, from the file's metadata."""
+        arch = self.architecture
+        key = lambda name, default=self._MISSING: self.field(f"{arch}.{name}", default)  # noqa: E731
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        tokens = self.field("tokenizer.ggml.tokens", None)
+        vocab = key("vocab_size", None) or (len(tokens) if tokens else None)
+        if vocab is None:
+            embed = self._tensors.get("token_embd.weight")
+            if embed is None:
+                raise GGUFError(f"{self.path}: no token_embd.weight tensor")
+            vocab = int(embed.shape[1])
+        if self.has_tensor("rope_freqs.weight"):
+            raise GGUFError(f"{self.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1-style "
+                            "scaling) are not supported")
+        rope_scaling = {}
+        scaling_type = key("rope.scaling.type", None)
+        if scaling_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif scaling_type not in (None, "none"):
+            raise GGUFError(f"{self.path}: rope scaling {scaling_type!r} is not supported (none or linear)")
+        eos = self.field("tokenizer.ggml.eos_token_id", None)
+        config = {
+            "model_type": arch,
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(key("feed_forward_length")),
+            "num_hidden_layers": int(key("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
+            "head_dim": int(key("attention.key_length", hidden // num_heads)),
+            "max_position_embeddings": int(key("context_length", 2048)),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(key("rope.freq_base", 10000.0)),
+            "rope_scaling": rope_scaling or None,
+            "tie_word_embeddings": not self.has_tensor("output.weight"),
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": eos,
+        }
+        if arch == "qwen2":
+            config["use_sliding_window"] = False
+        elif arch == "llama":
+            config["attention_bias"] = self.has_tensor("blk.0.attn_q.bias")
+        return config
+
+    def model_config(self) -> ModelConfig:
+        """The runtime's ModelConfig for this file (GGUFError if the metadata is incomplete or unsupported)."""
+        try:
+            return model_config_from_hf(self.hf_config())
+        except GGUFError:
+            raise
+        except (UnsupportedModelError, KeyError, TypeError, ValueError) as exc:
+            raise GGUFError(f"{self.path}: {exc}") from exc
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        if gguf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[gguf_name]
+        match = _LAYER_TENSOR.match(gguf_name)
+        if match and match.group(2) in _LAYER_NAMES:
+            return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+        return None
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Each tensor the model uses, under its Hugging Face name, q/k rows in Hugging Face's order."""
+        config = self.hf_config()
+        for tensor in self._reader.tensors:
+            name = self._hf_name(tensor.name)
+            if name is None:
+                continue
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest dimension first
+            raw = tensor.data
+            if self.architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "k_proj.weight",
+                                                                              "q_proj.bias", "k_proj.bias")):
+                heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+                raw = np.asarray(raw).reshape(shape[0], -1)[_inverse_rope_permutation(shape[0], heads)]
+            yield GGUFTensor(name, tensor.name, int(tensor.tensor_type), shape, raw)
+
+    def close(self) -> None:
+        """Drop the memory map (tensors handed out keep their own reference to it)."""
+        self._reader = None
+        self._tensors = {}

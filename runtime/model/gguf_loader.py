@@ -1,0 +1,141 @@
+"""Build LlamaForCausalLM from a GGUF file, one tensor at a time, weights quantized or dense.
+
+The model is made on the meta device (no memory), then each parameter is filled from the
+file's memory map as its tensors arrive: stacked matrices (q/k/v, gate/up) wait only for
+their own pieces, and each is turned at once into its final form (runtime/model/quantize.py
+says which), so a 4-bit file never passes through a float32 copy of the whole model: the
+peak is the kept weights plus one layer's pieces.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from runtime.model import ggml_blocks
+from runtime.model.gguf_file import GGUFCheckpoint, GGUFError, GGUFTensor
+from runtime.model.llama import LlamaForCausalLM
+from runtime.model.loader import weight_target
+from runtime.model.quantize import check_quantization, gguf_form, install_linear, quantize_float
+from runtime.model.quantized import EncodedRows, Int4Weight, Int8Weight
+
+log = structlog.get_logger(__name__)
+
+
+def _slot_of(model: LlamaForCausalLM) -> dict[int, tuple[nn.Module, str]]:
+    """id(weight parameter) -> (module, slot name) for every matmul weight."""
+    return {id(getattr(module, f"{name}_weight")): (module, name) for module, name in model.linear_slots()}
+
+
+def _quantized(pieces: list[GGUFTensor], form: str) -> Int4Weight | Int8Weight:
+    """The pieces (row blocks of one matrix, in order) as one quantized weight."""
+    if form == "int4" and all(p.qtype in (ggml_blocks.Q4_0, ggml_blocks.Q4_1) for p in pieces):
+        unpacked = [ggml_blocks.unpack_q4(p.raw, p.qtype, *p.shape) for p in pieces]
+        q, d, m = (torch.cat(parts) for parts in zip(*unpacked))
+        return Int4Weight.from_q4(q, d, m)
+    return quantize_float(torch.cat([p.dequantize() for p in pieces]), form)
+
+
+def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.dtype, quantization: str = "auto",
+                    show_progress: bool = True) -> LlamaForCausalLM:
+    """The model of `checkpoint` on `device`, its matmul weights in the forms `quantization` picks."""
+    check_quantization(quantization, device)
+    config = checkpoint.model_config()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    slots = _slot_of(model)
+    originals = list(model.parameters())  # kept alive while loading, so their ids stay theirs  # noqa: F841
+    pending: dict[int, list[tuple[slice, GGUFTensor]]] = {}  # id(param) -> pieces so far
+    filled: set[int] = set()
+    params = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+    tensors = list(checkpoint.tensors())
+    with tqdm(total=len(tensors), desc="loading GGUF", unit="tensor", disable=not show_progress) as bar:
+        for tensor in tensors:
+            bar.update(1)
+            target = weight_target(model, tensor.name)
+            if target is None:
+                log.debug("GGUF tensor unused", tensor=tensor.gguf_name)
+                continue
+            param, rows = target
+            expected = tuple(param[rows].shape)
+            if tuple(tensor.shape) != expected:
+                raise GGUFError(f"{checkpoint.path}: tensor {tensor.gguf_name} has shape {list(tensor.shape)}, "
+                                f"expected {list(expected)} from the metadata")
+            pieces = pending.setdefault(id(param), [])
+            pieces.append((rows, tensor))
+            if sum(t.shape[0] for _, t in pieces) < param.shape[0]:
+                continue  # a stacked matrix still waiting for its other pieces
+            pieces.sort(key=lambda piece: piece[0].start or 0)
+            ordered = [t for _, t in pieces]
+            del pending[id(param)]
+            _fill(model, param, ordered, slots, quantization, device, dtype)
+            filled.add(id(param))
+    missing = [name for pid, name in params.items() if pid not in filled]
+    if missing:
+        raise GGUFError(f"{checkpoint.path}: tensors missing from the file for {missing[:5]}")
+    if config.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+    model.place(device, dtype)
+    log.info("GGUF loaded", path=str(checkpoint.path), quantization=quantization, types=checkpoint.tensor_types,
+             weight_mib=round(model.weight_bytes() / 2**20, 1))
+    return model
+
+
+def _fill(model: LlamaForCausalLM, param: nn.Parameter, pieces: list[GGUFTensor], slots, quantization: str,
+          device: torch.device, dtype: torch.dtype) -> None:
+    """Put one whole parameter, made of `pieces`, into the model in its final form."""
+    if id(param) in slots:  # a layer's matmul weight
+        module, name = slots[id(param)]
+        form = gguf_form(quantization, pieces[0].qtype, device, False, dtype)
+        value = _quantized(pieces, form) if form != "dense" else torch.cat([p.dequantize() for p in pieces])
+        install_linear(module, name, value if form != "dense" else value.to(device), dtype)
+        return
+    if param is model.embed_tokens or param is model.lm_head:
+        _fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)
+        return
+    owner, attr = _owner(model, param)  # a norm, or a bias (q/k/v biases stacked like their weights)
+    value = torch.cat([piece.dequantize() for piece in pieces])
+    setattr(owner, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
+
+
+def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, quantization: str,
+                device: torch.device, dtype: torch.dtype) -> None:
+    """token_embd (also the LM head when tied) or output: dense, or quantized with rows looked up apart."""
+    tied = model.config.tie_word_embeddings
+    serves_head = tied or not is_embedding
+    form = gguf_form(quantization, piece.qtype, device, True, dtype) if serves_head else "dense"
+    if is_embedding and not tied and piece.qtype not in (ggml_blocks.F32, ggml_blocks.F16, ggml_blocks.BF16) \
+            and device.type == "cpu" and quantization != "none":
+        model.embed_rows = EncodedRows(torch.from_numpy(piece.raw.copy()).view(piece.shape[0], -1), piece.qtype,
+                                       piece.shape[1])
+        model.embed_tokens = _empty(dtype)
+        return
+    if form == "dense":
+        table = nn.Parameter(piece.dequantize().to(device=device, dtype=dtype), requires_grad=False)
+        if is_embedding:
+            model.embed_tokens = table
+        else:
+            model.lm_head = table
+        return
+    head = _quantized([piece], form)
+    model.lm_head_packed = head
+    if is_embedding:  # tied: rows are looked up from the same int8 table, or from the file's blocks for int4
+        model.embed_rows = head if isinstance(head, Int8Weight) else EncodedRows(
+            torch.from_numpy(piece.raw.copy()).view(piece.shape[0], -1), piece.qtype, piece.shape[1])
+        model.embed_tokens = _empty(dtype)
+    else:
+        model.lm_head = _empty(dtype)
+
+
+def _empty(dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+
+def _owner(model: nn.Module, param: nn.Parameter) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, candidate in module.named_parameters(recurse=False):
+            if candidate is param:
+                return module, name
+    raise GGUFError(f"parameter {tuple(param.shape)} has no owner in the model")

@@ -1,0 +1,187 @@
+"""Weight-only quantized matrices for the CPU: 4-bit (group 32) and 8-bit (per row), through torch's kernels.
+
+One decode token reads every weight once, so at batch sizes of a few rows a linear layer is
+bound by memory traffic, and weights kept at 4 bits read 8x less than float32. torch's CPU
+kernels do the matmul straight from the packed integers:
+
+    Int4Weight  value = (q - 8) * scale + zero    q in 0..15, one (scale, zero) per 32 inputs of a row
+                aten._weight_int4pack_mm_for_cpu  (Q4_0 and Q4_1 map onto it exactly:
+                Q4_0: scale d, zero 0; Q4_1: scale d, zero m + 8 d)
+    Int8Weight  value = q * scale                 q in -127..127, one scale per row
+                aten._weight_int8pack_mm
+
+Both kernels take bfloat16 activations (their float32 paths are 10-30x slower here, see
+BENCHMARKS.md), so inputs are cast to bfloat16 and results back to the caller's dtype.
+The kernels' shape rules (int4: rows a multiple of 16, inputs of 32; int8: inputs a multiple
+of 16) are met by padding with zero rows and columns at load; an input is padded to match
+only when its width was.
+
+Scales are stored in bfloat16, so a file's float16 scale may round: Int4Weight.from_q4 is
+exact to bfloat16's precision, not bit for bit (tests/runtime/test_quantized.py says how close).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZE = 32  # inputs per (scale, zero) pair of a 4-bit row: Q4_0's and Q4_1's block
+COMPUTE_DTYPE = torch.bfloat16  # what the kernels take
+INT4_ROW_MULTIPLE = 16
+INT4_COL_MULTIPLE = GROUP_SIZE
+INT8_COL_MULTIPLE = 16
+
+
+class QuantizationError(ValueError):
+    """A weight that cannot be quantized as asked (named by the caller)."""
+
+
+def _pad_to(tensor: torch.Tensor, dim: int, multiple: int, value=0) -> torch.Tensor:
+    extra = -tensor.shape[dim] % multiple
+    if not extra:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, extra]
+    return F.pad(tensor, pad, value=value)
+
+
+class QuantizedWeight:
+    """A [out_features, in_features] weight kept in integers; `linear` is x @ W.T + bias."""
+
+    out_features: int
+    in_features: int
+    _padded_in: int
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:  # [rows, padded_in] bfloat16
+        x = x.to(COMPUTE_DTYPE)
+        if self._padded_in != self.in_features:
+            x = F.pad(x, (0, self._padded_in - self.in_features))
+        return x.contiguous()
+
+    def _finish(self, out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        out = out[:, : self.out_features].to(dtype)
+        return out if bias is None else out + bias
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:  # float32 [out_features, in_features]
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in_features]
+        """The weight's rows `ids`, dequantized (an embedding lookup from the same table)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class Int4Weight(QuantizedWeight):
+    """4-bit weights with a float (scale, zero) per 32 inputs, in torch's packed CPU layout."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int | None = None) -> None:
+        """q uint8 [out, in] in 0..15; scale, zero [out, in // 32]; value = (q - 8) * scale + zero.
+
+        `in_features`: the true input width when q's last columns are padding (default: all of q).
+        """
+        out_features, width = q.shape
+        if tuple(scale.shape) != (out_features, width // GROUP_SIZE) or width % GROUP_SIZE:
+            raise QuantizationError(f"int4 weight [{out_features}, {width}] needs scales "
+                                    f"[{out_features}, {width // GROUP_SIZE}], got {tuple(scale.shape)}")
+        self.out_features, self.in_features = out_features, in_features or width
+        q = _pad_to(_pad_to(q.to(torch.int32), 0, INT4_ROW_MULTIPLE, 8), 1, INT4_COL_MULTIPLE, 8)
+        scale = _pad_to(_pad_to(scale, 0, INT4_ROW_MULTIPLE), 1, INT4_COL_MULTIPLE // GROUP_SIZE)
+        zero = _pad_to(_pad_to(zero, 0, INT4_ROW_MULTIPLE), 1, INT4_COL_MULTIPLE // GROUP_SIZE)
+        self._padded_in = q.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # uint8, torch's layout
+        # [in // 32, out, 2]: the kernel's (scale, zero) table
+        self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE)
+
+    @classmethod
+    def from_q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4Weight:
+        """From ggml's 4-bit blocks (value = q * d + m, runtime/model/ggml_blocks.unpack_q4)."""
+        return cls(q, d, m + 8 * d)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        """Round a float weight [out, in] to 4 bits: per 32 inputs, 16 levels from its min to its max.
+
+        `in` not a multiple of 32 is padded with zero columns first (they cost nothing in the result).
+        """
+        in_features = weight.shape[1]
+        weight = _pad_to(weight.float(), 1, GROUP_SIZE)
+        out_features, width = weight.shape
+        groups = weight.view(out_features, width // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        return cls(q.view(out_features, width), scale, low + 8 * scale, in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype."""
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(self._prepare(x), self.packed, GROUP_SIZE, self.scales_zeros)
+        return self._finish(out, bias, x.dtype)
+
+    def dequantize(self) -> torch.Tensor:  # float32 [out, in]
+        """The values the kernel multiplies by (read back through the kernel itself, with an identity input)."""
+        eye = torch.eye(self._padded_in, dtype=COMPUTE_DTYPE)
+        cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_zeros)
+        return cols.float().T[: self.out_features, : self.in_features].contiguous()
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise QuantizationError("an int4 weight is not read by rows; keep the embedding table apart")
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+
+class Int8Weight(QuantizedWeight):
+    """8-bit symmetric weights with one float scale per row (output feature)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """q int8 [out, in]; scale [out]; value = q * scale."""
+        self.out_features, self.in_features = q.shape
+        self.q = _pad_to(q.to(torch.int8), 1, INT8_COL_MULTIPLE).contiguous()
+        self._padded_in = self.q.shape[1]
+        self.scale = scale.float().contiguous()  # float32 [out]: exact row lookups
+        self._kernel_scale = self.scale.to(COMPUTE_DTYPE)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round a float weight [out, in] to 8 bits, one scale per row (its largest magnitude / 127)."""
+        weight = weight.float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(self._prepare(x), self.q, self._kernel_scale)
+        return self._finish(out, bias, x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q[:, : self.in_features].float() * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self.q[ids, : self.in_features].float() * self.scale[ids, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 6
+
+
+class EncodedRows:
+    """An embedding table kept as the GGUF file encodes it; a lookup decodes only the rows asked for."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, cols: int) -> None:
+        """raw uint8 [rows, bytes per row], in ggml type `qtype` (runtime/model/ggml_blocks.py)."""
+        self.raw, self.qtype, self.cols = raw, qtype, cols
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), cols]
+        from runtime.model import ggml_blocks
+
+        picked = self.raw[ids.reshape(-1).cpu()].numpy()
+        return ggml_blocks.dequantize(picked, self.qtype, (picked.shape[0], self.cols)).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+QUANTIZERS = {"int4": Int4Weight.quantize, "int8": Int8Weight.quantize}

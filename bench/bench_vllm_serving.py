@@ -136,7 +136,14 @@ def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: 
                "--seed", str(seed), "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
     # llama-server's own count; it also takes in the one test request vllm bench serve sends
     # before timing (~1% more tokens than the timed run made: in llama.cpp's favour)
-    counted = llama_cpp_tokens(url) if llama_cpp else None
+    return run_client(command, server_pid, out_dir / name, url if llama_cpp else None)
+
+
+def run_client(command: list[str], server_pid: int, result_file: Path, llama_cpp_url: str | None = None) -> dict:
+    """Run one `vllm bench serve` command: its metrics (KEYS), its duration, and the CPU seconds the
+    server and the client spent in the timed run; output tok/s from llama-server's own counter when
+    `llama_cpp_url` is given (its usage arrives where vLLM's client does not read it)."""
+    counted = llama_cpp_tokens(llama_cpp_url) if llama_cpp_url else None
     client = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "WARNING"},
                               start_new_session=True)
@@ -146,7 +153,7 @@ def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: 
     sampler.stop()
     if client.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited with {client.returncode}")
-    result = json.loads((out_dir / name).read_text())
+    result = json.loads(result_file.read_text())
     row = {key: result.get(key) for key in KEYS}
     # CPU during the timed run only (the client's start-up, imports and dataset, is left out): the
     # run ends just before the client writes its result and exits
@@ -155,7 +162,7 @@ def bench_serve(url: str, server_pid: int, model: Path, load: str, num_prompts: 
             "client_cpu_s": round(client_cpu, 2)}
     if counted is not None:  # not the client's recount of the text
         row["client_output_throughput"] = row["output_throughput"]
-        row["output_throughput"] = (llama_cpp_tokens(url) - counted) / result["duration"]
+        row["output_throughput"] = (llama_cpp_tokens(llama_cpp_url) - counted) / result["duration"]
     return row
 
 

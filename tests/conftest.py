@@ -51,6 +51,17 @@ def _random_configs():
 RANDOM_MODEL_NAMES = ("llama-gqa", "llama3-rope", "mistral-sliding", "qwen2")
 
 
+def randomize_biases_and_norms(model):
+    """transformers zeroes biases and sets norms to 1 in a fresh model: random values make them matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.normal_(1.0, 0.2)
+    return model
+
+
 @pytest.fixture(scope="session")
 def random_checkpoints(tmp_path_factory, stories_dir) -> dict[str, Path]:
     """Random-weight checkpoints saved with save_pretrained, each with stories260K's tokenizer."""
@@ -60,13 +71,7 @@ def random_checkpoints(tmp_path_factory, stories_dir) -> dict[str, Path]:
     paths = {}
     for i, (name, config) in enumerate(_random_configs().items()):
         torch.manual_seed(100 + i)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # HF zeroes biases and sets norms to 1: make them matter
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("bias"):
-                    param.normal_(0.0, 0.1)
-                elif "norm" in param_name:
-                    param.normal_(1.0, 0.2)
+        model = randomize_biases_and_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
         path = root / name
         model.save_pretrained(path)
         for f in TOKENIZER_FILES:

@@ -54,6 +54,11 @@ def test_path_checks_name_the_path(tmp_path):
     with pytest.raises(StartupError, match="no config.json"):
         check_model_path(str(tmp_path))
     check_model_path("demo")
+    (tmp_path / "model.bin").write_text("")
+    with pytest.raises(StartupError, match="not a .gguf file"):
+        check_model_path(str(tmp_path / "model.bin"))
+    (tmp_path / "model.gguf").write_text("")
+    check_model_path(str(tmp_path / "model.gguf"))  # its contents are checked when it loads, with the file named
     (tmp_path / "file").write_text("")
     with pytest.raises(StartupError, match="not writable"):
         check_discovery_dir(str(tmp_path / "file" / "discovery"))

@@ -12,6 +12,9 @@ kernels do the matmul straight from the packed integers:
 
 Both kernels take bfloat16 activations (their float32 paths are 10-30x slower here, see
 BENCHMARKS.md), so inputs are cast to bfloat16 and results back to the caller's dtype.
+They compute in float32 FMAs, which a batch of many rows outgrows: from DENSE_MIN_ROWS rows
+on, the layer's weight is unpacked into a scratch bfloat16 matrix (C++, kernels/weight_unpack.py)
+and multiplied by oneDNN (AMX or AVX512-BF16 where the CPU has them), then dropped.
 The kernels' shape rules (int4: rows a multiple of 16, inputs of 32; int8: inputs a multiple
 of 16) are met by padding with zero rows and columns at load; an input is padded to match
 only when its width was.
@@ -25,9 +28,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import weight_unpack
+
 GROUP_SIZE = 32  # inputs per (scale, zero) pair of a 4-bit row: Q4_0's and Q4_1's block
 COMPUTE_DTYPE = torch.bfloat16  # what the kernels take
-INT4_ROW_MULTIPLE = 16
+INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole blocks (kernels/weight_unpack.py)
+# from this many rows on, unpacking the layer to bfloat16 and one oneDNN matmul beat the
+# integer kernels (bench/bench_quantized_linear.py, BENCHMARKS.md section 17): the integer kernels compute in float32
+# FMAs, oneDNN in AMX/AVX512-BF16; the unpack (~50 ms for all 106M weights of SmolLM2) pays from 64 rows
+DENSE_MIN_ROWS = 64
 INT4_COL_MULTIPLE = GROUP_SIZE
 INT8_COL_MULTIPLE = 16
 
@@ -118,7 +127,11 @@ class Int4Weight(QuantizedWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype."""
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(self._prepare(x), self.packed, GROUP_SIZE, self.scales_zeros)
+        inputs = self._prepare(x)
+        dense = weight_unpack.unpack_int4(self.packed, self.scales_zeros) if x.shape[0] >= DENSE_MIN_ROWS else None
+        if dense is not None:
+            return self._finish(F.linear(inputs, dense), bias, x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, self.packed, GROUP_SIZE, self.scales_zeros)
         return self._finish(out, bias, x.dtype)
 
     def dequantize(self) -> torch.Tensor:  # float32 [out, in]
@@ -154,7 +167,11 @@ class Int8Weight(QuantizedWeight):
         return cls(q, scale)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(self._prepare(x), self.q, self._kernel_scale)
+        inputs = self._prepare(x)
+        dense = weight_unpack.unpack_int8(self.q, self.scale) if x.shape[0] >= DENSE_MIN_ROWS else None
+        if dense is not None:
+            return self._finish(F.linear(inputs, dense), bias, x.dtype)
+        out = torch._weight_int8pack_mm(inputs, self.q, self._kernel_scale)
         return self._finish(out, bias, x.dtype)
 
     def dequantize(self) -> torch.Tensor:

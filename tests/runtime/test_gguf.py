@@ -11,7 +11,7 @@ import torch
 from runtime import Engine, SamplingParams
 from runtime.model import ggml_blocks
 from runtime.model.gguf_file import GGUFCheckpoint, GGUFError
-from tests.conftest import REPO
+from tests.conftest import REPO, randomize_biases_and_norms
 from tests.gguf_files import random_k_quant_blocks, write_gguf
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -58,14 +58,7 @@ def _hf_model(arch: str):
               "mistral": MistralConfig(**common, tie_word_embeddings=False),
               "qwen2": Qwen2Config(**common, tie_word_embeddings=True)}[arch]
     torch.manual_seed(ARCHS.index(arch))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF zeroes biases and sets norms to 1: make them matter
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.2)
-    return model
+    return randomize_biases_and_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from runtime.model import ggml_blocks
 from runtime.model.quantized import Int4Weight, Int8Weight
 from runtime.perplexity import perplexity
 
-SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (17, 200, 129), (64, 576, 960)]  # rows, in, out
+SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (17, 200, 129), (40, 80, 70), (64, 576, 960), (70, 96, 130)]  # rows, in, out
+# (rows >= quantized.DENSE_MIN_ROWS take the unpack-then-bfloat16-matmul path)
 
 
 def _check_close(out, x, weight):

@@ -1,0 +1,51 @@
+"""Quantized CPU weights back to dense bfloat16, for the matmuls of many rows (kernels/csrc/weight_unpack.cpp).
+
+    reference  unpack_int4_reference / unpack_int8_reference: torch ops, the oracle
+    kernel     unpack_int4 / unpack_int8: C++ (one pass, both cores), or None where it cannot build
+    check      tests/kernels/test_weight_unpack.py: the kernel equals the reference bit for bit
+
+torch's int4 CPU layout (read off the packing op; runtime/model/quantized.py pads rows to a
+multiple of 64 so that only this form occurs): blocks of 64 rows, each [in_features][32]
+bytes; byte j of column k holds the block's row j in its low nibble and row j + 32 in its high one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_extension
+
+BLOCK_ROWS = 64
+GROUP = 32
+
+
+def _extension():
+    return cpu_extension.load("weight_unpack.cpp", ("-ffp-contract=off",))  # no FMA: the reference's rounding
+
+
+def unpack_int4_reference(
+    packed: torch.Tensor,  # uint8 [N, K // 2], torch's packed int4 CPU layout, N a multiple of 64
+    scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]
+) -> torch.Tensor:  # bfloat16 [N, K]: (q - 8) * scale + zero, rounded once
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tiles = packed.reshape(n // BLOCK_ROWS, k, 32)  # [block, column, j]
+    low, high = (tiles & 0x0F), (tiles >> 4)  # rows j and j + 32 of each block
+    q = torch.cat((low, high), dim=2).permute(0, 2, 1).reshape(n, k).float()  # [N, K]
+    scale = scales_zeros[..., 0].float().T.repeat_interleave(GROUP, dim=1)  # [N, K]
+    zero = scales_zeros[..., 1].float().T.repeat_interleave(GROUP, dim=1)
+    return ((q - 8) * scale + zero).to(torch.bfloat16)
+
+
+def unpack_int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # bfloat16 [N, K]
+    return (q.float() * scale.float()[:, None]).to(torch.bfloat16)
+
+
+def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor | None:
+    """The C++ unpack (bfloat16 [N, K]), or None where the extension is not available."""
+    ext = _extension()
+    return None if ext is None else ext.unpack_int4(packed, scales_zeros)
+
+
+def unpack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    ext = _extension()
+    return None if ext is None else ext.unpack_int8(q, scale)

@@ -17,6 +17,35 @@ def load(name: str, quick: bool) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _gguf_rows(gguf: dict | None) -> list[tuple[str, str, str, str]]:
+    """bench_gguf.py's figures (one file per run of some loads)."""
+    out = []
+    if not gguf:
+        return out
+    goals = {"llama.cpp": {"stream1": 1.0, "stream16": 1.5, "stream64": 1.5}, "vllm-bf16": {"stream16": 1.3,
+                                                                                         "stream64": 1.3}}
+    for name, row in gguf["summary"].items():
+        ours = row["median"].get("pagedserve-q4")
+        for peer, ratio in row["pagedserve_q4_vs"].items():
+            theirs = row["median"][peer]
+            goal = goals.get(peer, {}).get(name)
+            verdict = "" if goal is None else f": goal >= {goal} {'met' if ratio['output_throughput'] >= goal else 'not met'}"
+            out.append((f"SmolLM2-135M Q4_1 GGUF, {name}, pagedserve (Q4 kept) vs {peer}: output tok/s; TPOT p50 (ms)",
+                        f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.1f}",
+                        f"{theirs['output_throughput']:.0f}; {theirs['median_tpot_ms']:.1f}",
+                        f"x{ratio['output_throughput']}; x{ratio['median_tpot']}{verdict}"))
+    probes = gguf.get("engine_probes", {})
+    if "gguf-q4-auto-dtype" in probes and "folder-float32" in probes:
+        q4, f32 = probes["gguf-q4-auto-dtype"], probes["folder-float32"]
+        share = q4["weight_mib"] / f32["weight_mib"]
+        out.append(("SmolLM2-135M weights in memory, Q4 kept vs float32 (MiB)", f"{q4['weight_mib']}",
+                    f"{f32['weight_mib']}", f"{share:.3f} of it: goal <= 0.2 {'met' if share <= 0.2 else 'not met'}"))
+        out.append(("SmolLM2-135M perplexity, 2,126-token English text, Q4 kept vs float32",
+                    f"{q4['perplexity']}", f"{f32['perplexity']}",
+                    f"{q4['perplexity'] / f32['perplexity'] - 1:+.2%}: goal within 1%"))
+    return out
+
+
 def rows(quick: bool) -> list[tuple[str, str, str, str]]:
     """(figure, ours, peer, ratio or verdict)."""
     out = []
@@ -105,29 +134,8 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
                             f"{third['output_throughput']:.0f}; {third['median_tpot_ms']:.0f}; {third['p99_ttft_ms']:.0f}",
                             f"x{ratio['output_throughput_ratio']}; x{ratio['median_tpot_ratio']}; "
                             f"x{ratio['p99_ttft_ratio']}"))
-    gguf = load("gguf", quick)
-    if gguf:
-        goals = {"llama.cpp": {"stream1": 1.0, "stream16": 1.5, "stream64": 1.5}, "vllm-bf16": {"stream16": 1.3,
-                                                                                             "stream64": 1.3}}
-        for name, row in gguf["summary"].items():
-            ours = row["median"].get("pagedserve-q4")
-            for peer, ratio in row["pagedserve_q4_vs"].items():
-                theirs = row["median"][peer]
-                goal = goals.get(peer, {}).get(name)
-                verdict = "" if goal is None else f": goal >= {goal} {'met' if ratio['output_throughput'] >= goal else 'not met'}"
-                out.append((f"SmolLM2-135M Q4_1 GGUF, {name}, pagedserve (Q4 kept) vs {peer}: output tok/s; TPOT p50 (ms)",
-                            f"{ours['output_throughput']:.0f}; {ours['median_tpot_ms']:.1f}",
-                            f"{theirs['output_throughput']:.0f}; {theirs['median_tpot_ms']:.1f}",
-                            f"x{ratio['output_throughput']}; x{ratio['median_tpot']}{verdict}"))
-        probes = gguf.get("engine_probes", {})
-        if "gguf-q4-auto-dtype" in probes and "folder-float32" in probes:
-            q4, f32 = probes["gguf-q4-auto-dtype"], probes["folder-float32"]
-            share = q4["weight_mib"] / f32["weight_mib"]
-            out.append(("SmolLM2-135M weights in memory, Q4 kept vs float32 (MiB)", f"{q4['weight_mib']}",
-                        f"{f32['weight_mib']}", f"{share:.3f} of it: goal <= 0.2 {'met' if share <= 0.2 else 'not met'}"))
-            out.append(("SmolLM2-135M perplexity, 2,126-token English text, Q4 kept vs float32",
-                        f"{q4['perplexity']}", f"{f32['perplexity']}",
-                        f"{q4['perplexity'] / f32['perplexity'] - 1:+.2%}: goal within 1%"))
+    for gguf_result in ("gguf", "gguf_stream1", "gguf_stream16_stream64_system16"):
+        out += _gguf_rows(load(gguf_result, quick))
     attention = load("attention", quick)
     if attention:
         goal = attention["loads"]["goal_64x1024_shared"]

@@ -105,7 +105,10 @@ def prepare_cpu_kernels() -> dict[str, bool]:
 
     Returns which are available; those that are not leave their callers on the torch path.
     """
-    return {"paged_decode": cpu_attention.available(), "fused_ops": fused_ops.native_for(torch.zeros(1))}
+    from kernels import weight_unpack
+
+    return {"paged_decode": cpu_attention.available(), "fused_ops": fused_ops.native_for(torch.zeros(1)),
+            "weight_unpack": weight_unpack.available()}
 
 
 def paged_decode_attention(

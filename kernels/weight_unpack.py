@@ -23,6 +23,11 @@ def _extension():
     return cpu_extension.load("weight_unpack.cpp", ("-ffp-contract=off",))  # no FMA: the reference's rounding
 
 
+def available() -> bool:
+    """Whether the C++ unpack builds here (built now if it is not yet)."""
+    return _extension() is not None
+
+
 def unpack_int4_reference(
     packed: torch.Tensor,  # uint8 [N, K // 2], torch's packed int4 CPU layout, N a multiple of 64
     scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]

@@ -315,8 +315,12 @@ def test_workers_fail_to_start_cleanly_die_under_load_and_come_back(tmp_path, st
     outcomes = load.outcomes
     assert not load.failures, load.failures  # no client timed out or lost its connection
     longest = max(o.ended - o.started for o in outcomes)
+    # a request's own serving time under this load, measured before the stop (not a constant: a loaded
+    # 2-core machine serves slower, and the bound must not turn that into a failure)
+    serving = max(o.ended - o.started for o in outcomes if o.ended < stopped_at)
     # the worst case: sent to the stopped worker, given up after the timeout, then served in full elsewhere
-    assert longest < 2 * WORKER_TIMEOUT_S, longest
+    # (the timeout, plus a whole request's serving time, plus scheduling slack)
+    assert longest < WORKER_TIMEOUT_S + max(serving, WORKER_TIMEOUT_S) + 2, (longest, serving)
     stalled = [o for o in outcomes if o.started < stopped_at < o.ended and o.error is not None]
     assert stalled and all(o.ended - stopped_at >= WORKER_TIMEOUT_S - 0.5 for o in stalled)
     assert not [o for o in outcomes if o.status == 500 or (o.error and o.error.get("code") != "service_unavailable")]

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK = 32  # values per block of Q4_0, Q4_1 and Q8_0
 
-# ggml type id -> name, for the types this runtime reads (the ids are llama.cpp's GGMLQuantizationType)
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
-TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1",
-              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+# the types this runtime reads, as llama.cpp's own reader numbers and sizes them
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = (int(GGMLQuantizationType[name]) for name in (
+    "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16"))
+TYPE_NAMES = {qtype: GGMLQuantizationType(qtype).name for qtype in (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)}
 SUPPORTED_TYPES = frozenset(TYPE_NAMES)
-BLOCK_BYTES = {Q8_0: 2 + QK, Q4_0: 2 + QK // 2, Q4_1: 4 + QK // 2}  # bytes per block of 32 values
+BLOCK_BYTES = {qtype: GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1] for qtype in (Q8_0, Q4_0, Q4_1)}  # per 32 values
 
 
 class UnsupportedTensorType(ValueError):
@@ -33,7 +34,12 @@ class UnsupportedTensorType(ValueError):
 
 
 def type_name(qtype: int) -> str:
-    return TYPE_NAMES.get(int(qtype), f"type {int(qtype)}")
+    if int(qtype) in TYPE_NAMES:
+        return TYPE_NAMES[int(qtype)]
+    try:
+        return GGMLQuantizationType(int(qtype)).name
+    except ValueError:
+        return f"type {int(qtype)}"
 
 
 def _blocks(raw: np.ndarray, qtype: int, rows: int, cols: int) -> torch.Tensor:  # uint8 [rows, cols // QK, bytes]

@@ -18,15 +18,14 @@ from runtime.model import ggml_blocks
 from runtime.model.gguf_file import GGUFCheckpoint, GGUFError, GGUFTensor
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import weight_target
-from runtime.model.quantize import check_quantization, gguf_form, install_linear, quantize_float
+from runtime.model.quantize import check_quantization, gguf_form, install_linear, placeholder, quantize_float
 from runtime.model.quantized import EncodedRows, Int4Weight, Int8Weight
 
 log = structlog.get_logger(__name__)
 
 
-def _slot_of(model: LlamaForCausalLM) -> dict[int, tuple[nn.Module, str]]:
-    """id(weight parameter) -> (module, slot name) for every matmul weight."""
-    return {id(getattr(module, f"{name}_weight")): (module, name) for module, name in model.linear_slots()}
+def _dequantized(pieces: list[GGUFTensor]) -> torch.Tensor:  # float32, the pieces' rows stacked
+    return torch.cat([piece.dequantize() for piece in pieces])
 
 
 def _quantized(pieces: list[GGUFTensor], form: str) -> Int4Weight | Int8Weight:
@@ -35,7 +34,12 @@ def _quantized(pieces: list[GGUFTensor], form: str) -> Int4Weight | Int8Weight:
         unpacked = [ggml_blocks.unpack_q4(p.raw, p.qtype, *p.shape) for p in pieces]
         q, d, m = (torch.cat(parts) for parts in zip(*unpacked))
         return Int4Weight.from_q4(q, d, m)
-    return quantize_float(torch.cat([p.dequantize() for p in pieces]), form)
+    return quantize_float(_dequantized(pieces), form)
+
+
+def _encoded_rows(piece: GGUFTensor) -> EncodedRows:
+    """An embedding table kept in the file's own encoding (a copy: the memory map is dropped after loading)."""
+    return EncodedRows(torch.from_numpy(piece.raw.copy()).view(piece.shape[0], -1), piece.qtype, piece.shape[1])
 
 
 def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.dtype, quantization: str = "auto",
@@ -45,8 +49,11 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
     config = checkpoint.model_config()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    slots = _slot_of(model)
-    originals = list(model.parameters())  # kept alive while loading, so their ids stay theirs  # noqa: F841
+    # the dicts below are keyed by id(meta parameter); `originals` keeps those parameters alive while
+    # loading replaces them, so no new object can take one of their ids
+    originals = list(model.parameters())  # noqa: F841
+    owners = {id(p): (module, name) for module in model.modules() for name, p in module.named_parameters(recurse=False)}
+    slots = {id(getattr(module, f"{name}_weight")): (module, name) for module, name in model.linear_slots()}
     pending: dict[int, list[tuple[slice, GGUFTensor]]] = {}  # id(param) -> pieces so far
     filled: set[int] = set()
     params = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
@@ -70,7 +77,7 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
             pieces.sort(key=lambda piece: piece[0].start or 0)
             ordered = [t for _, t in pieces]
             del pending[id(param)]
-            _fill(model, param, ordered, slots, quantization, device, dtype)
+            _fill(model, param, ordered, slots, owners, quantization, device, dtype)
             filled.add(id(param))
     missing = [name for pid, name in params.items() if pid not in filled]
     if missing:
@@ -83,21 +90,20 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
     return model
 
 
-def _fill(model: LlamaForCausalLM, param: nn.Parameter, pieces: list[GGUFTensor], slots, quantization: str,
+def _fill(model: LlamaForCausalLM, param: nn.Parameter, pieces: list[GGUFTensor], slots, owners, quantization: str,
           device: torch.device, dtype: torch.dtype) -> None:
     """Put one whole parameter, made of `pieces`, into the model in its final form."""
     if id(param) in slots:  # a layer's matmul weight
         module, name = slots[id(param)]
         form = gguf_form(quantization, pieces[0].qtype, device, False, dtype)
-        value = _quantized(pieces, form) if form != "dense" else torch.cat([p.dequantize() for p in pieces])
-        install_linear(module, name, value if form != "dense" else value.to(device), dtype)
+        install_linear(module, name, _dequantized(pieces).to(device) if form == "dense" else _quantized(pieces, form),
+                       dtype)
         return
     if param is model.embed_tokens or param is model.lm_head:
         _fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)
         return
-    owner, attr = _owner(model, param)  # a norm, or a bias (q/k/v biases stacked like their weights)
-    value = torch.cat([piece.dequantize() for piece in pieces])
-    setattr(owner, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
+    owner, attr = owners[id(param)]  # a norm, or a bias (q/k/v biases stacked like their weights)
+    setattr(owner, attr, nn.Parameter(_dequantized(pieces).to(device=device, dtype=dtype), requires_grad=False))
 
 
 def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, quantization: str,
@@ -108,9 +114,8 @@ def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, 
     form = gguf_form(quantization, piece.qtype, device, True, dtype) if serves_head else "dense"
     if is_embedding and not tied and piece.qtype not in (ggml_blocks.F32, ggml_blocks.F16, ggml_blocks.BF16) \
             and device.type == "cpu" and quantization != "none":
-        model.embed_rows = EncodedRows(torch.from_numpy(piece.raw.copy()).view(piece.shape[0], -1), piece.qtype,
-                                       piece.shape[1])
-        model.embed_tokens = _empty(dtype)
+        model.embed_rows = _encoded_rows(piece)
+        model.embed_tokens = placeholder(dtype)
         return
     if form == "dense":
         table = nn.Parameter(piece.dequantize().to(device=device, dtype=dtype), requires_grad=False)
@@ -122,20 +127,7 @@ def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, 
     head = _quantized([piece], form)
     model.lm_head_packed = head
     if is_embedding:  # tied: rows are looked up from the same int8 table, or from the file's blocks for int4
-        model.embed_rows = head if isinstance(head, Int8Weight) else EncodedRows(
-            torch.from_numpy(piece.raw.copy()).view(piece.shape[0], -1), piece.qtype, piece.shape[1])
-        model.embed_tokens = _empty(dtype)
+        model.embed_rows = head if isinstance(head, Int8Weight) else _encoded_rows(piece)
+        model.embed_tokens = placeholder(dtype)
     else:
-        model.lm_head = _empty(dtype)
-
-
-def _empty(dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-
-
-def _owner(model: nn.Module, param: nn.Parameter) -> tuple[nn.Module, str]:
-    for module in model.modules():
-        for name, candidate in module.named_parameters(recurse=False):
-            if candidate is param:
-                return module, name
-    raise GGUFError(f"parameter {tuple(param.shape)} has no owner in the model")
+        model.lm_head = placeholder(dtype)

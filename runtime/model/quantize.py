@@ -66,14 +66,15 @@ def quantize_float(weight: torch.Tensor, form: str) -> QuantizedWeight:
     return Int4Weight.quantize(weight) if form == "int4" else Int8Weight.quantize(weight)
 
 
-def _placeholder(dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
+def placeholder(dtype: torch.dtype) -> nn.Parameter:
+    """The empty parameter that stands where a weight kept in another form (quantized, encoded) was."""
+    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 def install_linear(module: nn.Module, name: str, form, dtype: torch.dtype) -> None:
     """Give slot `name` of `module` its weight: a dense tensor (a parameter) or a QuantizedWeight."""
     if isinstance(form, QuantizedWeight):
-        setattr(module, f"{name}_weight", _placeholder(dtype, torch.device("cpu")))
+        setattr(module, f"{name}_weight", placeholder(dtype))
         setattr(module, f"{name}_packed", form)
     else:
         setattr(module, f"{name}_weight", nn.Parameter(form.to(dtype), requires_grad=False))
@@ -98,7 +99,7 @@ def quantize_model(model, mode: str) -> int:
     head = quantize_float(model.lm_head.data, folder_form(mode, True, dtype))
     if model.config.tie_word_embeddings:
         model.embed_rows = head  # int8: rows are looked up from the same table
-        model.embed_tokens = _placeholder(dtype, torch.device("cpu"))
-    model.lm_head = model.embed_tokens if model.config.tie_word_embeddings else _placeholder(dtype, torch.device("cpu"))
+        model.embed_tokens = placeholder(dtype)
+    model.lm_head = model.embed_tokens if model.config.tie_word_embeddings else placeholder(dtype)
     model.lm_head_packed = head
     return count + 1

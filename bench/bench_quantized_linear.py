@@ -1,4 +1,4 @@
-"""Where the quantized matmul should switch paths: torch's int4/int8 kernels vs unpack-to-bfloat16 + oneDNN.
+"""Where the quantized matmul should switch paths: torch's int4/int8 kernels, ours in AVX512-BF16, unpack + oneDNN.
 
     .venv/bin/python bench/bench_quantized_linear.py [--quick]
 
@@ -6,7 +6,9 @@ SmolLM2-135M's shapes: one 30-layer pass of its four matmuls (qkv 960x576, o 576
 3072x576, down 576x1536; 106M weights, 66 MB at 4 bits, so a pass reads from memory, not cache)
 and its LM head (49,152x576, int8), for 1-128 rows, each path in turn, alternated, median of 5.
 Also the dense float32 and bfloat16 oneDNN matmuls on the same shapes, for reference. The
-crossover sets runtime/model/quantized.DENSE_MIN_ROWS. Results: bench/results/quantized_linear.json.
+crossovers set runtime/model/quantized's BF16_DOT_MIN_ROWS and DENSE_MIN_ROWS. Our AVX512-BF16
+kernels (kernels/quant_matmul.py) are timed where the CPU has AVX512-BF16.
+Results: bench/results/quantized_linear.json.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from common import log, machine_info, median, write_result
 
-from kernels import weight_unpack
+from kernels import quant_matmul, weight_unpack
 from runtime.model import linear
 from runtime.model.quantized import GROUP_SIZE, Int4Weight, Int8Weight
 
@@ -49,7 +51,7 @@ def main() -> None:
     head = Int8Weight.quantize(torch.randn(49152, 576) * 0.02)
     head_bf16 = head.dequantize().bfloat16()
     head_packed = linear.pack(head_bf16)
-    rows_list = [1, 4, 8, 16, 24, 32, 48, 64, 128] if not args.quick else [1, 16, 64]
+    rows_list = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512] if not args.quick else [1, 16, 64]
     repeats = 2 if args.quick else 5
     result = {}
     with torch.inference_mode():
@@ -69,6 +71,10 @@ def main() -> None:
                 "head_int8_unpack_bf16": lambda: F.linear(xs[576], weight_unpack.unpack_int8(head.q, head.scale)),
                 "head_dense_bf16_onednn": lambda: linear.linear(xs[576], head_bf16, None, head_packed),
             }
+            if quant_matmul.available():
+                paths["int4_bf16_dot"] = lambda: [quant_matmul.int4_matmul(xs[w.in_features], w.packed,
+                                                                           w.scales_zeros) for w in int4]
+                paths["head_int8_bf16_dot"] = lambda: quant_matmul.int8_matmul(xs[576], head.q, head.scale)
             result[rows] = {name: round(_time(fn, repeats), 3) for name, fn in paths.items()}
             log(f"rows {rows}: {result[rows]} (ms per 30-layer pass / per LM head)")
     write_result("quantized_linear", args.quick, {"machine": machine_info(), "ms": result})

@@ -12,9 +12,14 @@ kernels do the matmul straight from the packed integers:
 
 Both kernels take bfloat16 activations (their float32 paths are 10-30x slower here, see
 BENCHMARKS.md), so inputs are cast to bfloat16 and results back to the caller's dtype.
-They compute in float32 FMAs, which a batch of many rows outgrows: from DENSE_MIN_ROWS rows
-on, the layer's weight is unpacked into a scratch bfloat16 matrix (C++, kernels/weight_unpack.py)
-and multiplied by oneDNN (AMX or AVX512-BF16 where the CPU has them), then dropped.
+They compute in float32 FMAs and unpack the weight again for every few rows, which a batch
+of many rows outgrows. On a CPU with AVX512-BF16, a matmul of BF16_DOT_MIN_ROWS rows or more
+(int8: INT8_BF16_DOT_MIN_ROWS) runs our kernels instead (C++, kernels/quant_matmul.py): the weight
+unpacked to bfloat16 in cache once per call, every row multiplied against it there in bfloat16
+dot products. Elsewhere, and for an int8 LM head past INT8_BF16_DOT_MAX_ROWS rows, the layer's
+weight is unpacked from DENSE_MIN_ROWS rows on into a scratch bfloat16 matrix (C++,
+kernels/weight_unpack.py), multiplied by oneDNN (AMX or AVX512-BF16 where the CPU has them), then
+dropped.
 The kernels' shape rules (int4: rows a multiple of 16, inputs of 32; int8: inputs a multiple
 of 16) are met by padding with zero rows and columns at load; an input is padded to match
 only when its width was.
@@ -28,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import weight_unpack
+from kernels import quant_matmul, weight_unpack
 
 GROUP_SIZE = 32  # inputs per (scale, zero) pair of a 4-bit row: Q4_0's and Q4_1's block
 COMPUTE_DTYPE = torch.bfloat16  # what the kernels take
@@ -37,6 +42,15 @@ INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole 
 # integer kernels (bench/bench_quantized_linear.py, BENCHMARKS.md section 17): the integer kernels compute in float32
 # FMAs, oneDNN in AMX/AVX512-BF16; the unpack (~50 ms for all 106M weights of SmolLM2) pays from 64 rows
 DENSE_MIN_ROWS = 64
+# on a CPU with AVX512-BF16 a matmul of BF16_DOT_MIN_ROWS rows or more takes kernels/quant_matmul.py
+# (bench/bench_quantized_linear.py, BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2):
+# int4 below 8 rows torch's kernel does less work per weight (1 row: 4.8 vs 9.3); from 8 rows on ours
+# wins (16: 18 vs 27, 64: 46 vs 86) and beats the whole-layer unpack + oneDNN at every size to 512
+# rows. The int8 LM head: ours from 1 row (1.9 vs 2.4 ms; 16: 5.3 vs 14.5) to INT8_BF16_DOT_MAX_ROWS,
+# past which the unpack + oneDNN wins (256 rows: 43 vs 57 ms)
+BF16_DOT_MIN_ROWS = 8
+INT8_BF16_DOT_MIN_ROWS = 1
+INT8_BF16_DOT_MAX_ROWS = 128
 INT4_COL_MULTIPLE = GROUP_SIZE
 INT8_COL_MULTIPLE = 16
 
@@ -128,7 +142,10 @@ class Int4Weight(QuantizedWeight):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype."""
         inputs = self._prepare(x)
-        dense = weight_unpack.unpack_int4(self.packed, self.scales_zeros) if x.shape[0] >= DENSE_MIN_ROWS else None
+        rows = x.shape[0]
+        if rows >= BF16_DOT_MIN_ROWS and quant_matmul.available():
+            return self._finish(quant_matmul.int4_matmul(inputs, self.packed, self.scales_zeros), bias, x.dtype)
+        dense = weight_unpack.unpack_int4(self.packed, self.scales_zeros) if rows >= DENSE_MIN_ROWS else None
         if dense is not None:
             return self._finish(F.linear(inputs, dense), bias, x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, self.packed, GROUP_SIZE, self.scales_zeros)
@@ -157,6 +174,8 @@ class Int8Weight(QuantizedWeight):
         self._padded_in = self.q.shape[1]
         self.scale = scale.float().contiguous()  # float32 [out]: exact row lookups
         self._kernel_scale = self.scale.to(COMPUTE_DTYPE)
+        # kernels/quant_matmul's shape: outputs in 16s, inputs in 32s (true of LM heads; others keep torch's kernel)
+        self._bf16_dot_shape = self.out_features % 16 == 0 and self._padded_in % GROUP_SIZE == 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
@@ -168,7 +187,11 @@ class Int8Weight(QuantizedWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         inputs = self._prepare(x)
-        dense = weight_unpack.unpack_int8(self.q, self.scale) if x.shape[0] >= DENSE_MIN_ROWS else None
+        rows = x.shape[0]
+        if (INT8_BF16_DOT_MIN_ROWS <= rows <= INT8_BF16_DOT_MAX_ROWS and self._bf16_dot_shape
+                and quant_matmul.available()):
+            return self._finish(quant_matmul.int8_matmul(inputs, self.q, self.scale), bias, x.dtype)
+        dense = weight_unpack.unpack_int8(self.q, self.scale) if rows >= DENSE_MIN_ROWS else None
         if dense is not None:
             return self._finish(F.linear(inputs, dense), bias, x.dtype)
         out = torch._weight_int8pack_mm(inputs, self.q, self._kernel_scale)

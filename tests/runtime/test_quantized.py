@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
-from runtime.model import ggml_blocks
+from runtime.model import ggml_blocks, quantized
 from runtime.model.quantized import Int4Weight, Int8Weight
 from runtime.perplexity import perplexity
 
-SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (17, 200, 129), (40, 80, 70), (64, 576, 960), (70, 96, 130)]  # rows, in, out
-# (rows >= quantized.DENSE_MIN_ROWS take the unpack-then-bfloat16-matmul path)
+SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (9, 64, 48), (17, 200, 129), (40, 80, 70), (64, 576, 960),
+          (70, 96, 130), (130, 64, 32)]  # rows, in, out
+# the paths: torch's int4 kernel below quantized.BF16_DOT_MIN_ROWS; kernels/quant_matmul from there on where
+# the CPU has AVX512-BF16 (int8: outputs a multiple of 16, up to INT8_BF16_DOT_MAX_ROWS rows); past that,
+# or without AVX512-BF16, the unpack-then-bfloat16-matmul from DENSE_MIN_ROWS rows (forced below too)
 
 
 def _check_close(out, x, weight):
@@ -41,6 +44,17 @@ def test_quantized_matmul_agrees_with_dequantize_then_matmul(cls, rows, in_featu
     out = weight.linear(x, bias)
     assert out.dtype == dtype
     _check_close(out - bias, x.float(), dense)
+
+
+@pytest.mark.parametrize("rows,in_features,out_features", [(8, 64, 64), (64, 576, 960), (70, 96, 130)])
+@pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
+def test_without_the_bf16_kernels_the_other_paths_agree_too(cls, rows, in_features, out_features, monkeypatch):
+    """Where kernels/quant_matmul is not built (no AVX512-BF16), torch's kernels and the unpack serve."""
+    monkeypatch.setattr(quantized.quant_matmul, "available", lambda: False)
+    torch.manual_seed(rows + out_features)
+    weight = cls.quantize(torch.randn(out_features, in_features) * 0.05)
+    x = torch.randn(rows, in_features)
+    _check_close(weight.linear(x), x, weight.dequantize())
 
 
 @pytest.mark.parametrize("cls,step", [(Int4Weight, 1 / 15), (Int8Weight, 1 / 127)])

@@ -1,0 +1,284 @@
+// x @ W.T for weight-only quantized CPU weights, in AVX512-BF16 dot products (vdpbf16ps), the
+// weight unpacked to bfloat16 in cache only.
+//
+// torch's int4 and int8 CPU kernels (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm)
+// compute in float32 FMAs and unpack the weight again for every few rows of x, so a batch of
+// 16-64 decode rows costs them 5-20x one row. Unpacking the whole layer into a bfloat16 copy
+// first (weight_unpack.cpp) writes and rereads that copy. Here a weight is unpacked once per
+// call, into a buffer that stays in L1/L2, and every row of x is multiplied against it there.
+//
+// int4_matmul: torch's packed int4 CPU layout (weight_unpack.cpp has it in full): blocks of 64
+// weight rows (outputs), each [K][32] bytes; byte j of input k holds row j's nibble low and row
+// j + 32's high. scales_zeros bfloat16 [K / 32, N, 2]: value = (q - 8) * scale + zero, computed
+// in float32 (the product is exact: a 4-bit integer times a bfloat16) and rounded to bfloat16
+// once, so the weight equals weight_unpack's reference bit for bit.
+//   One task per 64-output block: its whole depth is unpacked, 32 inputs at a time, into
+//   [group][4 x 16 outputs][16 pairs] of bfloat16 pairs (the "VNNI" order vdpbf16ps reads: lane n
+//   holds output n's weights for inputs 2p and 2p + 1), then each block of up to 6 rows of x keeps
+//   6 x 4 accumulators (16 outputs each) in registers over the whole depth, one broadcast pair
+//   of x against four weight vectors per step.
+//
+// int8_matmul: an int8 weight [N, K] with one float32 scale per output row (the LM head). Its
+// values are exact in bfloat16, so 16 rows at a time are converted into a bfloat16 buffer, dot
+// products run along K (16 lanes of partial sums per (output, row of x) pair), 16 such sums are
+// reduced across lanes together, and the scale is applied once at the end.
+//
+// Built where the compiler targets AVX512-BF16 (-march=native on a CPU with it); elsewhere
+// `available()` is false and the Python side keeps torch's kernels.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define PAGEDSERVE_BF16_DOT 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockRows = 64;      // weight rows per packed int4 block: four 16-output vectors
+constexpr int64_t kGroup = 32;          // inputs per (scale, zero); also one bfloat16 vector of inputs
+constexpr int64_t kGroupWords = 2048;   // bfloat16 values of one unpacked group: 4 x 16 pairs x 32
+constexpr int64_t kOutputsPerRow = 16;  // int8: weight rows converted and reduced together
+
+#ifdef PAGEDSERVE_BF16_DOT
+
+// One packed block's group `group` -> out[4][16 pairs][32] bfloat16: out[t][p] holds, for outputs
+// 16t .. 16t + 15 of the block, the pairs (W[n][32 group + 2p], W[n][32 group + 2p + 1]).
+inline void unpack_int4_group(const uint8_t* block, int64_t group, int64_t n_total, int64_t block_row0,
+                              const uint16_t* scales_zeros, uint16_t* out) {
+  const uint8_t* in = block + group * kGroup * 32;  // [kk][j], 32 x 32 bytes
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  // outputs 0-7 (and 8-15) of a vector, each repeated for its pair of inputs
+  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int t = 0; t < 4; ++t) {
+    const int byte0 = (t & 1) * 16, shift = (t >> 1) * 4;  // outputs 16t..: bytes 0-15 or 16-31, low or high nibble
+    // 16 (scale, zero) bfloat16 pairs read as 32-bit words: the scale is the low half, the zero the high
+    const __m512i pairs = _mm512_loadu_si512(scales_zeros + (group * n_total + block_row0 + 16 * t) * 2);
+    const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+    const __m512 scale_lo = _mm512_permutexvar_ps(dup_lo, scales), scale_hi = _mm512_permutexvar_ps(dup_hi, scales);
+    const __m512 zero_lo = _mm512_permutexvar_ps(dup_lo, zeros), zero_hi = _mm512_permutexvar_ps(dup_hi, zeros);
+    uint16_t* vectors = out + t * 16 * 32;
+    for (int p = 0; p < 16; ++p) {
+      const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p) * 32 + byte0));
+      const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p + 1) * 32 + byte0));
+      __m128i lo = _mm_unpacklo_epi8(even, odd);  // outputs 0-7: (input 2p, 2p + 1) byte pairs
+      __m128i hi = _mm_unpackhi_epi8(even, odd);  // outputs 8-15
+      if (shift) {
+        lo = _mm_srli_epi16(lo, 4);
+        hi = _mm_srli_epi16(hi, 4);
+      }
+      lo = _mm_sub_epi8(_mm_and_si128(lo, low_nibbles), eight);  // q - 8, as int8
+      hi = _mm_sub_epi8(_mm_and_si128(hi, low_nibbles), eight);
+      const __m512 w_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), scale_lo, zero_lo);
+      const __m512 w_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), scale_hi, zero_hi);
+      _mm512_storeu_si512(vectors + p * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));  // one rounding, RNE
+    }
+  }
+}
+
+// Rows [0, R) of x (row stride k values) against one unpacked 64-output block -> out[R][64] (row stride n)
+template <int R>
+inline void int4_rows(const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups, float* out, int64_t n) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < 4; ++t) acc[i][t] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* w = unpacked + g * kGroupWords;
+    const uint16_t* xg = x + g * kGroup;
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + p * 32);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + 512 + p * 32);
+      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + 1024 + p * 32);
+      const __m512bh b3 = (__m512bh)_mm512_loadu_si512(w + 1536 + p * 32);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xg + i * k + 2 * p, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+        acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
+        acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, b3);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(out + i * n + 16 * t, acc[i][t]);
+  }
+}
+
+constexpr int kInt4RowBlock = 6;  // 6 x 4 accumulators + 4 weight vectors + 1 input of 32 registers
+
+inline void int4_row_block(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups,
+                           float* out, int64_t n) {
+  switch (rows) {
+    case 1: int4_rows<1>(x, k, unpacked, groups, out, n); break;
+    case 2: int4_rows<2>(x, k, unpacked, groups, out, n); break;
+    case 3: int4_rows<3>(x, k, unpacked, groups, out, n); break;
+    case 4: int4_rows<4>(x, k, unpacked, groups, out, n); break;
+    case 5: int4_rows<5>(x, k, unpacked, groups, out, n); break;
+    default: int4_rows<6>(x, k, unpacked, groups, out, n); break;
+  }
+}
+
+// lane i of the result = the sum of v[i]'s 16 lanes
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (v2i[0]+v2i[2], v2i+1[0]+v2i+1[2], v2i[1]+v2i[3], v2i+1[1]+v2i+1[3])
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v4i .. v4i+3
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: (quads2i: lanes 0+1, 2+3; quads2i+1: lanes 0+1, 2+3)
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// NB converted weight rows (bfloat16, row stride k) x MB rows of x -> out[MB][NB] * scale (NB * MB == 16)
+template <int NB, int MB>
+inline void int8_block(const uint16_t* x, const uint16_t* w, int64_t k, const float* scale, float* out, int64_t n) {
+  static_assert(NB * MB == 16, "one reduction covers 16 dot products");
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += kGroup) {
+    __m512bh a[MB];
+    for (int i = 0; i < MB; ++i) a[i] = (__m512bh)_mm512_loadu_si512(x + i * k + c);
+    for (int j = 0; j < NB; ++j) {
+      const __m512bh b = (__m512bh)_mm512_loadu_si512(w + j * k + c);
+      for (int i = 0; i < MB; ++i) acc[j * MB + i] = _mm512_dpbf16_ps(acc[j * MB + i], a[i], b);
+    }
+  }
+  alignas(64) float sums[16];  // [output j][row i]
+  _mm512_store_ps(sums, sum_lanes16(acc));
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) out[i * n + j] = sums[j * MB + i] * scale[j];
+  }
+}
+
+// rows int8 [16][k] -> bfloat16 [16][k] (exact)
+inline void convert_int8_rows(const int8_t* q, int64_t k, uint16_t* out) {
+  for (int64_t r = 0; r < kOutputsPerRow; ++r) {
+    for (int64_t c = 0; c < k; c += kGroup) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + c));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      _mm512_storeu_si512(out + r * k + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+#endif  // PAGEDSERVE_BF16_DOT
+
+void check_x(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK_VALUE(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), op,
+                    ": x must be contiguous bfloat16 [M, K]");
+}
+
+}  // namespace
+
+bool available() {
+#ifdef PAGEDSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x bfloat16 [M, K], packed uint8 [N, K / 2] (torch's layout, N a multiple of 64, K of 32),
+// scales_zeros bfloat16 [K / 32, N, 2] -> float32 [M, N] = x @ W.T
+torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros) {
+  TORCH_CHECK_VALUE(available(), "int4_matmul: this CPU or build has no AVX512-BF16");
+  check_x(x, "int4_matmul");
+  TORCH_CHECK_VALUE(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
+                    "int4_matmul: packed must be contiguous uint8 [N, K / 2]");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK_VALUE(packed.size(1) * 2 == k, "int4_matmul: x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  TORCH_CHECK_VALUE(n % kBlockRows == 0 && k % kGroup == 0,
+                    "int4_matmul: the weight must be [a multiple of 64, a multiple of 32], got [", n, ", ", k, "]");
+  TORCH_CHECK_VALUE(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous() &&
+                        scales_zeros.dim() == 3 && scales_zeros.size(0) == k / kGroup && scales_zeros.size(1) == n &&
+                        scales_zeros.size(2) == 2,
+                    "int4_matmul: scales_zeros must be contiguous bfloat16 [K / 32, N, 2]");
+  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+#ifdef PAGEDSERVE_BF16_DOT
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  float* dst = out.data_ptr<float>();
+  const int64_t groups = k / kGroup, blocks = n / kBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> unpacked(static_cast<size_t>(groups * kGroupWords));  // one block's depth, in L1/L2
+    for (int64_t block = b0; block < b1; ++block) {
+      const uint8_t* in = src + block * 32 * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        unpack_int4_group(in, g, n, block * kBlockRows, sz, unpacked.data() + g * kGroupWords);
+      }
+      for (int64_t row0 = 0; row0 < m; row0 += kInt4RowBlock) {
+        int4_row_block(std::min<int64_t>(kInt4RowBlock, m - row0), xs + row0 * k, k, unpacked.data(), groups,
+                       dst + row0 * n + block * kBlockRows, n);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// x bfloat16 [M, K] (K a multiple of 32), q int8 [N, K] (N a multiple of 16), scale float32 [N]
+// -> float32 [M, N] = x @ (q * scale).T
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  TORCH_CHECK_VALUE(available(), "int8_matmul: this CPU or build has no AVX512-BF16");
+  check_x(x, "int8_matmul");
+  TORCH_CHECK_VALUE(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
+                    "int8_matmul: q must be contiguous int8 [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK_VALUE(q.size(1) == k, "int8_matmul: x has ", k, " inputs, the weight ", q.size(1));
+  TORCH_CHECK_VALUE(k % kGroup == 0 && n % kOutputsPerRow == 0,
+                    "int8_matmul: the weight must be [a multiple of 16, a multiple of 32], got [", n, ", ", k, "]");
+  TORCH_CHECK_VALUE(scale.dtype() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n,
+                    "int8_matmul: scale must be contiguous float32 [N]");
+  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+#ifdef PAGEDSERVE_BF16_DOT
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* src = q.data_ptr<int8_t>();
+  const float* scales = scale.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n / kOutputsPerRow, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> weights(static_cast<size_t>(kOutputsPerRow * k));  // 16 rows in bfloat16
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t n0 = tile * kOutputsPerRow;
+      convert_int8_rows(src + n0 * k, k, weights.data());
+      const uint16_t* w = weights.data();
+      int64_t row = 0;
+      for (; row + 4 <= m; row += 4) {
+        for (int64_t j = 0; j < 16; j += 4) int8_block<4, 4>(xs + row * k, w + j * k, k, scales + n0 + j, dst + row * n + n0 + j, n);
+      }
+      for (; row + 2 <= m; row += 2) {
+        for (int64_t j = 0; j < 16; j += 8) int8_block<8, 2>(xs + row * k, w + j * k, k, scales + n0 + j, dst + row * n + n0 + j, n);
+      }
+      for (; row < m; ++row) int8_block<16, 1>(xs + row * k, w, k, scales + n0, dst + row * n + n0, n);
+    }
+  });
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether this build has the AVX512-BF16 kernels");
+  m.def("int4_matmul", &int4_matmul, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 [M, N]");
+  m.def("int8_matmul", &int8_matmul, "x bfloat16 [M, K] @ (int8 weight [N, K] * scale [N]).T -> float32 [M, N]");
+}

@@ -1,0 +1,83 @@
+"""The AVX512-BF16 quantized matmuls equal their float64 references up to float32 accumulation: int4
+with W read by weight_unpack's reference (itself checked against torch's own int4 kernel), int8 as
+(x @ q.T) * scale. They are built where the CPU has AVX512-BF16; elsewhere torch's kernels serve
+(tests/runtime/test_quantized.py covers both through Int4Weight / Int8Weight)."""
+
+import pytest
+import torch
+
+from kernels import cpu_extension, quant_matmul, weight_unpack
+from runtime.model.quantized import Int4Weight, Int8Weight
+
+pytestmark = pytest.mark.skipif(not quant_matmul.CPU_FLAGS <= cpu_extension.cpu_flags(),
+                                reason="this CPU has no AVX512-BF16 (the kernel is not built; torch's kernels serve)")
+
+ACCUMULATION_RTOL = 1e-5  # of sum |x| |w| per output: float32 sums of exact bfloat16 products; a wrong
+# nibble, scale, lane or pair order is off by a whole weight (~1e-2 of that sum and more)
+
+
+def _assert_within_accumulation(out, reference, magnitude):
+    assert out.shape == reference.shape and out.dtype == torch.float32
+    error = (out.double() - reference).abs()
+    assert bool((error <= ACCUMULATION_RTOL * magnitude + 1e-30).all()), float((error / (magnitude + 1e-30)).max())
+
+
+def test_builds_where_the_cpu_has_avx512_bf16():
+    assert quant_matmul.available()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (200, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 64, 100])  # around the kernel's 6-row register block
+def test_int4_matches_reference(out_features, in_features, rows):
+    torch.manual_seed(out_features * 7 + in_features + rows)
+    weight = Int4Weight.quantize(torch.randn(out_features, in_features) * 0.1)
+    x = torch.randn(rows, weight.packed.shape[1] * 2).bfloat16()
+    out = quant_matmul.int4_matmul(x, weight.packed, weight.scales_zeros)
+    dense = weight_unpack.unpack_int4_reference(weight.packed, weight.scales_zeros).double()
+    _assert_within_accumulation(out, quant_matmul.int4_matmul_reference(x, weight.packed, weight.scales_zeros),
+                                x.double().abs() @ dense.abs().T)
+
+
+def test_int4_a_wrong_weight_is_caught():
+    """The tolerance is tight enough to see one nibble off in one group of one output."""
+    torch.manual_seed(0)
+    weight = Int4Weight.quantize(torch.randn(64, 64) * 0.1)
+    x = torch.randn(3, 64).bfloat16()
+    reference = quant_matmul.int4_matmul_reference(x, weight.packed, weight.scales_zeros)
+    weight.packed[5, 7] ^= 0x01  # one nibble of one output
+    out = quant_matmul.int4_matmul(x, weight.packed, weight.scales_zeros)
+    dense = weight_unpack.unpack_int4_reference(weight.packed, weight.scales_zeros).double()
+    with pytest.raises(AssertionError):
+        _assert_within_accumulation(out, reference, x.double().abs() @ dense.abs().T)
+
+
+def test_int4_bad_shapes_are_errors_not_crashes():
+    ext = quant_matmul._extension()
+    weight = Int4Weight.quantize(torch.randn(64, 64))
+    with pytest.raises(ValueError, match="inputs"):
+        ext.int4_matmul(torch.zeros(16, 32, dtype=torch.bfloat16), weight.packed, weight.scales_zeros)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ext.int4_matmul(torch.zeros(16, 64), weight.packed, weight.scales_zeros)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ext.int4_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.packed[:32], weight.scales_zeros)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (160, 96), (49152 // 16, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 17, 64])  # each of the 4-, 2- and 1-row blocks and mixes
+def test_int8_matches_reference(out_features, in_features, rows):
+    torch.manual_seed(out_features + in_features * 3 + rows)
+    weight = Int8Weight.quantize(torch.randn(out_features, in_features))
+    x = torch.randn(rows, in_features).bfloat16()
+    out = quant_matmul.int8_matmul(x, weight.q, weight.scale)
+    _assert_within_accumulation(out, quant_matmul.int8_matmul_reference(x, weight.q, weight.scale),
+                                (x.double().abs() @ weight.q.double().abs().T) * weight.scale.double())
+
+
+def test_int8_bad_shapes_are_errors_not_crashes():
+    ext = quant_matmul._extension()
+    weight = Int8Weight.quantize(torch.randn(20, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ext.int8_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.q, weight.scale)
+    weight = Int8Weight.quantize(torch.randn(16, 48))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ext.int8_matmul(torch.zeros(2, 48, dtype=torch.bfloat16), weight.q, weight.scale)

@@ -6,7 +6,7 @@ SmolLM2-135M's shapes: one 30-layer pass of its four matmuls (qkv 960x576, o 576
 3072x576, down 576x1536; 106M weights, 66 MB at 4 bits, so a pass reads from memory, not cache)
 and its LM head (49,152x576, int8), for 1-128 rows, each path in turn, alternated, median of 5.
 Also the dense float32 and bfloat16 oneDNN matmuls on the same shapes, for reference. The
-crossovers set runtime/model/quantized's BF16_DOT_MIN_ROWS and DENSE_MIN_ROWS. Our AVX512-BF16
+crossovers set runtime/model/quantized.INT4_MANY_ROWS, INT8_BF16_DOT_MAX_ROWS and DENSE_MIN_ROWS. Our AVX512-BF16
 kernels (kernels/quant_matmul.py) are timed where the CPU has AVX512-BF16.
 Results: bench/results/quantized_linear.json.
 """
@@ -74,6 +74,8 @@ def main() -> None:
             if quant_matmul.available():
                 paths["int4_bf16_dot"] = lambda: [quant_matmul.int4_matmul(xs[w.in_features], w.packed,
                                                                            w.scales_zeros) for w in int4]
+                paths["int4_bf16_dot_few_rows"] = lambda: [quant_matmul.int4_matmul_few_rows(
+                    xs[w.in_features], w.packed, w.scales_zeros) for w in int4]
                 paths["head_int8_bf16_dot"] = lambda: quant_matmul.int8_matmul(xs[576], head.q, head.scale)
             result[rows] = {name: round(_time(fn, repeats), 3) for name, fn in paths.items()}
             log(f"rows {rows}: {result[rows]} (ms per 30-layer pass / per LM head)")

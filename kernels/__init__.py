@@ -176,6 +176,9 @@ def write_kv(
     """Write new tokens' K/V rows into their slots."""
     if _backend_for(backend, key) == "triton":
         _triton_kernels().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif (key.device.type == "cpu" and key.dtype == k_cache.dtype and value.dtype == k_cache.dtype
+          and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value)) and cpu_attention.available()):
+        cpu_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)  # one C++ call instead of two copies
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 

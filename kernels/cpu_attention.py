@@ -44,3 +44,21 @@ def paged_decode_attention(
     out, lse = module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), starts.contiguous(),
                                    ends.contiguous(), float(scale))
     return out, lse
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], each token's [H, D] contiguous
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], likewise
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], key's dtype
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+) -> None:
+    """Copy each token's K and V rows into its slot (one call; kernels/reference.write_kv is the oracle).
+
+    Raises ValueError on mismatched shapes or dtypes or a slot outside the cache; RuntimeError where
+    the kernel is not available.
+    """
+    module = _extension()
+    if module is None:
+        raise RuntimeError("the C++ CPU attention kernel is not available (see the cpu_kernels.unavailable log)")
+    module.write_kv(key, value, k_cache, v_cache, slot_mapping)

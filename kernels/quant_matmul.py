@@ -1,9 +1,12 @@
 """x @ W.T for weight-only quantized CPU weights in AVX512-BF16 dot products (kernels/csrc/quant_matmul.cpp).
 
     reference  int4_matmul_reference: the weight unpacked by weight_unpack's reference, float64 matmul
+               int4_few_rows_reference: the unrounded weight (q - 8) * scale + zero, float64 matmul
                int8_matmul_reference: (x @ q.T) * scale in float64
     kernel     int4_matmul: torch's packed int4 CPU layout, each 64-output block unpacked to bfloat16
                in cache once per call and multiplied by every row of x there
+               int4_matmul_few_rows: for a few rows; the weight's nibbles read by table into bfloat16
+               (exact), each group's scale and zero applied to its dot products, never to the weight
                int8_matmul: per-row int8 (the LM head), 16 rows converted at a time, dot products along
                the inputs, the scale applied once at the end
     check      tests/kernels/test_quant_matmul.py: within float32 accumulation of the reference
@@ -46,9 +49,20 @@ def int4_matmul_reference(
     return x.double() @ weight.double().T
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """x bfloat16 [M, K] @ W.T -> float32 [M, N]; needs `available()`, N % 64 == 0, K % 32 == 0."""
-    return _extension().int4_matmul(x.contiguous(), packed, scales_zeros)
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+    """x bfloat16 [M, K] @ W.T -> float32 [M, N] (bfloat16 if bf16_out); needs `available()`, N % 64 == 0, K % 32 == 0."""
+    return _extension().int4_matmul(x.contiguous(), packed, scales_zeros, bf16_out)
+
+
+def int4_few_rows_reference(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """x bfloat16 [M, K] @ ((q - 8) * scale + zero).T in float64 [M, N], the weight not rounded."""
+    return x.double() @ weight_unpack.int4_values(packed, scales_zeros, torch.float64).T
+
+
+def int4_matmul_few_rows(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                         bf16_out: bool = False) -> torch.Tensor:
+    """x bfloat16 [M, K] (a few rows) @ W.T -> float32 [M, N] (bfloat16 if bf16_out), W unrounded; as int4_matmul's shapes."""
+    return _extension().int4_matmul_few_rows(x.contiguous(), packed, scales_zeros, bf16_out)
 
 
 def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # float64 [M, N]
@@ -56,6 +70,7 @@ def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
     return (x.double() @ q.double().T) * scale.double()
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x bfloat16 [M, K] @ (q * scale).T -> float32 [M, N]; needs `available()`, K % 32 == 0, N % 16 == 0."""
-    return _extension().int8_matmul(x.contiguous(), q, scale)
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+    """x bfloat16 [M, K] @ (q * scale).T -> float32 [M, N] (bfloat16 if bf16_out); needs `available()`, K % 32 == 0,
+    N % 16 == 0."""
+    return _extension().int8_matmul(x.contiguous(), q, scale, bf16_out)

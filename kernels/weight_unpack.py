@@ -28,17 +28,25 @@ def available() -> bool:
     return _extension() is not None
 
 
-def unpack_int4_reference(
+def int4_values(
     packed: torch.Tensor,  # uint8 [N, K // 2], torch's packed int4 CPU layout, N a multiple of 64
     scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]
-) -> torch.Tensor:  # bfloat16 [N, K]: (q - 8) * scale + zero, rounded once
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # dtype [N, K]: (q - 8) * scale + zero, computed in dtype
     n, k = packed.shape[0], packed.shape[1] * 2
     tiles = packed.reshape(n // BLOCK_ROWS, k, 32)  # [block, column, j]
     low, high = (tiles & 0x0F), (tiles >> 4)  # rows j and j + 32 of each block
-    q = torch.cat((low, high), dim=2).permute(0, 2, 1).reshape(n, k).float()  # [N, K]
-    scale = scales_zeros[..., 0].float().T.repeat_interleave(GROUP, dim=1)  # [N, K]
-    zero = scales_zeros[..., 1].float().T.repeat_interleave(GROUP, dim=1)
-    return ((q - 8) * scale + zero).to(torch.bfloat16)
+    q = torch.cat((low, high), dim=2).permute(0, 2, 1).reshape(n, k).to(dtype)  # [N, K]
+    scale = scales_zeros[..., 0].to(dtype).T.repeat_interleave(GROUP, dim=1)  # [N, K]
+    zero = scales_zeros[..., 1].to(dtype).T.repeat_interleave(GROUP, dim=1)
+    return (q - 8) * scale + zero
+
+
+def unpack_int4_reference(
+    packed: torch.Tensor,  # uint8 [N, K // 2], torch's packed int4 CPU layout, N a multiple of 64
+    scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]
+) -> torch.Tensor:  # bfloat16 [N, K]: (q - 8) * scale + zero in float32, rounded once
+    return int4_values(packed, scales_zeros).to(torch.bfloat16)
 
 
 def unpack_int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # bfloat16 [N, K]

@@ -531,6 +531,42 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
   return {out, lse};
 }
 
+// key, value [T, num_kv_heads, head_dim] (rows may be strided, each row contiguous) -> their slots of the
+// caches [num_blocks, block_size, num_kv_heads, head_dim]: one call for both, where torch takes two index_copy_
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4 &&
+                        v_cache.sizes() == k_cache.sizes() && slot_mapping.dim() == 1 &&
+                        slot_mapping.size(0) == key.size(0) && k_cache.size(2) == key.size(1) &&
+                        k_cache.size(3) == key.size(2),
+                    "write_kv: key, value [T, H, D], caches [B, S, H, D] and slot_mapping [T] do not match");
+  TORCH_CHECK_VALUE(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                        v_cache.scalar_type() == k_cache.scalar_type() && slot_mapping.scalar_type() == at::kLong,
+                    "write_kv: key, value and caches must share a dtype; slot_mapping must be int64");
+  const int64_t heads = key.size(1), dim = key.size(2), row = heads * dim;
+  for (const torch::Tensor* t : {&key, &value}) {
+    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == dim, "write_kv: each token's [H, D] must be contiguous");
+  }
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: the caches must be contiguous");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), tokens = key.size(0);
+  const int64_t bytes = row * static_cast<int64_t>(key.element_size());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t], " outside the cache's ",
+                      num_slots);
+  }
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
+    std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "key/value rows into their slots of the paged caches (CPU)");
   m.def("paged_decode", &paged_decode, "Paged decode attention over [starts, ends) of each row's pages (CPU)");
 }

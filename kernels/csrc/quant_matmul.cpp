@@ -34,6 +34,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define PAGEDSERVE_BF16_DOT 1
 #include <immintrin.h>
@@ -47,6 +49,27 @@ constexpr int64_t kGroupWords = 2048;   // bfloat16 values of one unpacked group
 constexpr int64_t kOutputsPerRow = 16;  // int8: weight rows converted and reduced together
 
 #ifdef PAGEDSERVE_BF16_DOT
+
+// Where results go: float32, or bfloat16 (rounded to nearest even, as torch's .to(bfloat16)), by element offset
+struct Out {
+  float* f32;
+  uint16_t* bf16;
+  Out at(int64_t offset) const { return bf16 ? Out{nullptr, bf16 + offset} : Out{f32 + offset, nullptr}; }
+  void store16(int64_t offset, __m512 v) const {
+    if (bf16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16 + offset), (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      _mm512_storeu_ps(f32 + offset, v);
+    }
+  }
+  void store1(int64_t offset, float v) const {
+    if (bf16) {
+      bf16[offset] = pagedserve::round_bf16(v);
+    } else {
+      f32[offset] = v;
+    }
+  }
+};
 
 // One packed block's group `group` -> out[4][16 pairs][32] bfloat16: out[t][p] holds, for outputs
 // 16t .. 16t + 15 of the block, the pairs (W[n][32 group + 2p], W[n][32 group + 2p + 1]).
@@ -87,7 +110,7 @@ inline void unpack_int4_group(const uint8_t* block, int64_t group, int64_t n_tot
 
 // Rows [0, R) of x (row stride k values) against one unpacked 64-output block -> out[R][64] (row stride n)
 template <int R>
-inline void int4_rows(const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups, float* out, int64_t n) {
+inline void int4_rows(const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups, Out out, int64_t n) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i) {
     for (int t = 0; t < 4; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -112,14 +135,92 @@ inline void int4_rows(const uint16_t* x, int64_t k, const uint16_t* unpacked, in
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(out + i * n + 16 * t, acc[i][t]);
+    for (int t = 0; t < 4; ++t) out.store16(i * n + 16 * t, acc[i][t]);
+  }
+}
+
+// Few rows (int4_matmul_few_rows): rows [0, R) of x against one packed 64-output block -> out[R][64]
+// (row stride n). The weight is never rounded: a nibble becomes bfloat16(q - 8) by a table lookup
+// (exact), a group's sum over x (q - 8) runs in dot products, and the group's scale and zero are
+// applied to that sum:  out[n] += scale[n] * sum_k x[k] (q[n][k] - 8) + zero[n] * sum_k x[k].
+// Vector v of a step holds outputs 16v .. 16v + 15: bytes 0-15 (v = 0) or 16-31 (v = 1) of the
+// block's rows, low nibbles; v = 2, 3 the same bytes' high nibbles (weight_unpack.cpp's layout).
+template <int R>
+inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block, int64_t groups,
+                          const uint16_t* scales_zeros, int64_t n_total, int64_t block_row0, Out out, int64_t n) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // bfloat16(i - 8) for i = 0 .. 15: -8 .. 7 are exact
+  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                                         static_cast<short>(0xBF80), static_cast<short>(0xC000),
+                                         static_cast<short>(0xC040), static_cast<short>(0xC080),
+                                         static_cast<short>(0xC0A0), static_cast<short>(0xC0C0),
+                                         static_cast<short>(0xC0E0), static_cast<short>(0xC100));
+  __m512 total[R][4];
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < 4; ++v) total[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* in = block + g * kGroup * 32;
+    const uint16_t* xg = x + g * kGroup;
+    if (g + 2 < groups) {  // a later group's scales: 4 lines a row of N apart, which the hardware does not foresee
+      const uint16_t* ahead = scales_zeros + ((g + 2) * n_total + block_row0) * 2;
+      for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * line), _MM_HINT_T0);
+    }
+    __m512 partial[R][4];
+    for (int i = 0; i < R; ++i) {
+      for (int v = 0; v < 4; ++v) partial[i][v] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < 16; ++p) {
+      __m512bh w[4];
+      for (int byte_half = 0; byte_half < 2; ++byte_half) {
+        const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p) * 32 + 16 * byte_half));
+        const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p + 1) * 32 + 16 * byte_half));
+        // byte pairs (input 2p, 2p + 1) of 16 outputs, in output order, widened to 16-bit words
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd),
+                                                                    _mm_unpacklo_epi8(even, odd)));
+        w[byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), table);
+        w[2 + byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+      }
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xg + i * k + 2 * p, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < 4; ++v) partial[i][v] = _mm512_dpbf16_ps(partial[i][v], a, w[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(scales_zeros + (g * n_total + block_row0 + 16 * v) * 2);
+      const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+      for (int i = 0; i < R; ++i) {
+        total[i][v] = _mm512_fmadd_ps(partial[i][v], scales, total[i][v]);
+        total[i][v] = _mm512_fmadd_ps(zeros, _mm512_set1_ps(x_sums[i * groups + g]), total[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < 4; ++v) out.store16(i * n + 16 * v, total[i][v]);
+  }
+}
+
+constexpr int kFewRowBlock = 3;  // 3 x 4 x 2 accumulators + 4 weight vectors + 1 input + 2 constants of 32 registers
+
+inline void int4_few_row_block(int64_t rows, const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block,
+                               int64_t groups, const uint16_t* sz, int64_t n_total, int64_t block_row0, Out out,
+                               int64_t n) {
+  switch (rows) {
+    case 1: int4_few_rows<1>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    case 2: int4_few_rows<2>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    default: int4_few_rows<3>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
   }
 }
 
 constexpr int kInt4RowBlock = 6;  // 6 x 4 accumulators + 4 weight vectors + 1 input of 32 registers
 
 inline void int4_row_block(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups,
-                           float* out, int64_t n) {
+                           Out out, int64_t n) {
   switch (rows) {
     case 1: int4_rows<1>(x, k, unpacked, groups, out, n); break;
     case 2: int4_rows<2>(x, k, unpacked, groups, out, n); break;
@@ -151,7 +252,7 @@ inline __m512 sum_lanes16(const __m512* v) {
 
 // NB converted weight rows (bfloat16, row stride k) x MB rows of x -> out[MB][NB] * scale (NB * MB == 16)
 template <int NB, int MB>
-inline void int8_block(const uint16_t* x, const uint16_t* w, int64_t k, const float* scale, float* out, int64_t n) {
+inline void int8_block(const uint16_t* x, const uint16_t* w, int64_t k, const float* scale, Out out, int64_t n) {
   static_assert(NB * MB == 16, "one reduction covers 16 dot products");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -166,7 +267,7 @@ inline void int8_block(const uint16_t* x, const uint16_t* w, int64_t k, const fl
   alignas(64) float sums[16];  // [output j][row i]
   _mm512_store_ps(sums, sum_lanes16(acc));
   for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) out[i * n + j] = sums[j * MB + i] * scale[j];
+    for (int j = 0; j < NB; ++j) out.store1(i * n + j, sums[j * MB + i] * scale[j]);
   }
 }
 
@@ -199,27 +300,73 @@ bool available() {
 #endif
 }
 
-// x bfloat16 [M, K], packed uint8 [N, K / 2] (torch's layout, N a multiple of 64, K of 32),
-// scales_zeros bfloat16 [K / 32, N, 2] -> float32 [M, N] = x @ W.T
-torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros) {
-  TORCH_CHECK_VALUE(available(), "int4_matmul: this CPU or build has no AVX512-BF16");
-  check_x(x, "int4_matmul");
-  TORCH_CHECK_VALUE(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
-                    "int4_matmul: packed must be contiguous uint8 [N, K / 2]");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK_VALUE(packed.size(1) * 2 == k, "int4_matmul: x has ", k, " inputs, the weight ", packed.size(1) * 2);
-  TORCH_CHECK_VALUE(n % kBlockRows == 0 && k % kGroup == 0,
-                    "int4_matmul: the weight must be [a multiple of 64, a multiple of 32], got [", n, ", ", k, "]");
+void check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros, const char* op) {
+  TORCH_CHECK_VALUE(available(), op, ": this CPU or build has no AVX512-BF16");
+  check_x(x, op);
+  TORCH_CHECK_VALUE(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(), op,
+                    ": packed must be contiguous uint8 [N, K / 2]");
+  const int64_t k = x.size(1), n = packed.size(0);
+  TORCH_CHECK_VALUE(packed.size(1) * 2 == k, op, ": x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  TORCH_CHECK_VALUE(n % kBlockRows == 0 && k % kGroup == 0, op,
+                    ": the weight must be [a multiple of 64, a multiple of 32], got [", n, ", ", k, "]");
   TORCH_CHECK_VALUE(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous() &&
                         scales_zeros.dim() == 3 && scales_zeros.size(0) == k / kGroup && scales_zeros.size(1) == n &&
                         scales_zeros.size(2) == 2,
-                    "int4_matmul: scales_zeros must be contiguous bfloat16 [K / 32, N, 2]");
-  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+                    op, ": scales_zeros must be contiguous bfloat16 [K / 32, N, 2]");
+}
+
+// x bfloat16 [M, K] (a few rows), packed, scales_zeros as int4_matmul's -> [M, N] = x @ W.T (float32, or
+// bfloat16 if bf16_out), W = (q - 8) * scale + zero unrounded (as torch's int4 kernel multiplies by)
+torch::Tensor int4_matmul_few_rows(const torch::Tensor& x, const torch::Tensor& packed,
+                                   const torch::Tensor& scales_zeros, bool bf16_out) {
+  check_int4(x, packed, scales_zeros, "int4_matmul_few_rows");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
 #ifdef PAGEDSERVE_BF16_DOT
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  float* dst = out.data_ptr<float>();
+  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
+                           : Out{out.data_ptr<float>(), nullptr};
+  const int64_t groups = k / kGroup, blocks = n / kBlockRows;
+  std::vector<float> x_sums(static_cast<size_t>(m * groups));  // [row][group]: sum of the group's inputs
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < kGroup; ++c) {
+        sum += __builtin_bit_cast(float, static_cast<uint32_t>(xs[row * k + g * kGroup + c]) << 16);
+      }
+      x_sums[row * groups + g] = sum;
+    }
+  }
+  // one task per 64-output block, over the whole depth
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t block = b0; block < b1; ++block) {
+      for (int64_t row0 = 0; row0 < m; row0 += kFewRowBlock) {
+        int4_few_row_block(std::min<int64_t>(kFewRowBlock, m - row0), xs + row0 * k, k, x_sums.data() + row0 * groups,
+                           src + block * 32 * k, groups, sz, n, block * kBlockRows,
+                           dst.at(row0 * n + block * kBlockRows), n);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// x bfloat16 [M, K], packed uint8 [N, K / 2] (torch's layout, N a multiple of 64, K of 32),
+// scales_zeros bfloat16 [K / 32, N, 2] -> [M, N] = x @ W.T (float32, or bfloat16 if bf16_out), W rounded to
+// bfloat16
+torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                          bool bf16_out) {
+  check_int4(x, packed, scales_zeros, "int4_matmul");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+#ifdef PAGEDSERVE_BF16_DOT
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
+                           : Out{out.data_ptr<float>(), nullptr};
   const int64_t groups = k / kGroup, blocks = n / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> unpacked(static_cast<size_t>(groups * kGroupWords));  // one block's depth, in L1/L2
@@ -230,7 +377,7 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, c
       }
       for (int64_t row0 = 0; row0 < m; row0 += kInt4RowBlock) {
         int4_row_block(std::min<int64_t>(kInt4RowBlock, m - row0), xs + row0 * k, k, unpacked.data(), groups,
-                       dst + row0 * n + block * kBlockRows, n);
+                       dst.at(row0 * n + block * kBlockRows), n);
       }
     }
   });
@@ -239,8 +386,8 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, c
 }
 
 // x bfloat16 [M, K] (K a multiple of 32), q int8 [N, K] (N a multiple of 16), scale float32 [N]
-// -> float32 [M, N] = x @ (q * scale).T
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+// -> [M, N] = x @ (q * scale).T (float32, or bfloat16 if bf16_out)
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, bool bf16_out) {
   TORCH_CHECK_VALUE(available(), "int8_matmul: this CPU or build has no AVX512-BF16");
   check_x(x, "int8_matmul");
   TORCH_CHECK_VALUE(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
@@ -251,12 +398,13 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
                     "int8_matmul: the weight must be [a multiple of 16, a multiple of 32], got [", n, ", ", k, "]");
   TORCH_CHECK_VALUE(scale.dtype() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n,
                     "int8_matmul: scale must be contiguous float32 [N]");
-  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
 #ifdef PAGEDSERVE_BF16_DOT
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* src = q.data_ptr<int8_t>();
   const float* scales = scale.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
+                           : Out{out.data_ptr<float>(), nullptr};
   at::parallel_for(0, n / kOutputsPerRow, 4, [&](int64_t t0, int64_t t1) {
     std::vector<uint16_t> weights(static_cast<size_t>(kOutputsPerRow * k));  // 16 rows in bfloat16
     for (int64_t tile = t0; tile < t1; ++tile) {
@@ -265,12 +413,12 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
       const uint16_t* w = weights.data();
       int64_t row = 0;
       for (; row + 4 <= m; row += 4) {
-        for (int64_t j = 0; j < 16; j += 4) int8_block<4, 4>(xs + row * k, w + j * k, k, scales + n0 + j, dst + row * n + n0 + j, n);
+        for (int64_t j = 0; j < 16; j += 4) int8_block<4, 4>(xs + row * k, w + j * k, k, scales + n0 + j, dst.at(row * n + n0 + j), n);
       }
       for (; row + 2 <= m; row += 2) {
-        for (int64_t j = 0; j < 16; j += 8) int8_block<8, 2>(xs + row * k, w + j * k, k, scales + n0 + j, dst + row * n + n0 + j, n);
+        for (int64_t j = 0; j < 16; j += 8) int8_block<8, 2>(xs + row * k, w + j * k, k, scales + n0 + j, dst.at(row * n + n0 + j), n);
       }
-      for (; row < m; ++row) int8_block<16, 1>(xs + row * k, w, k, scales + n0, dst + row * n + n0, n);
+      for (; row < m; ++row) int8_block<16, 1>(xs + row * k, w, k, scales + n0, dst.at(row * n + n0), n);
     }
   });
 #endif
@@ -279,6 +427,8 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernels");
-  m.def("int4_matmul", &int4_matmul, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 [M, N]");
-  m.def("int8_matmul", &int8_matmul, "x bfloat16 [M, K] @ (int8 weight [N, K] * scale [N]).T -> float32 [M, N]");
+  m.def("int4_matmul", &int4_matmul, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N]");
+  m.def("int4_matmul_few_rows", &int4_matmul_few_rows,
+        "x bfloat16 [M, K] (a few rows) @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N], scales factored out");
+  m.def("int8_matmul", &int8_matmul, "x bfloat16 [M, K] @ (int8 weight [N, K] * scale [N]).T -> float32 or bfloat16 [M, N]");
 }

@@ -98,9 +98,10 @@ class DecoderLayer(nn.Module):
                 native: bool) -> torch.Tensor:
         """normed = this layer's input norm of `residual`; adds both blocks into `residual` in place
         and returns `next_norm` of the result (the next layer's input norm, or the final norm)."""
-        attn = self.self_attn(normed, positions, cos, sin, k_cache, v_cache, meta, native)
-        normed = self.post_attention_layernorm(attn, residual, native)
-        return next_norm(self.mlp(normed, native), residual, native)
+        # .forward, not __call__: no hooks are used, and a module call's checks cost ~1.3 us each, 150 a step
+        attn = self.self_attn.forward(normed, positions, cos, sin, k_cache, v_cache, meta, native)
+        normed = self.post_attention_layernorm.forward(attn, residual, native)
+        return next_norm.forward(self.mlp.forward(normed, native), residual, native)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,10 +162,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             residual = self.embed_rows.rows(input_ids, self.norm.weight.dtype)
         native = fused_ops.native_for(residual)
-        normed = self.layers[0].input_layernorm(None, residual, native)
+        normed = self.layers[0].input_layernorm.forward(None, residual, native)
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (k_cache, v_cache) in zip(self.layers, norms_after, kv_caches):
-            normed = layer(normed, residual, next_norm, positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
+            normed = layer.forward(normed, residual, next_norm, positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                            meta, native)
         return normed
 

@@ -13,11 +13,14 @@ kernels do the matmul straight from the packed integers:
 Both kernels take bfloat16 activations (their float32 paths are 10-30x slower here, see
 BENCHMARKS.md), so inputs are cast to bfloat16 and results back to the caller's dtype.
 They compute in float32 FMAs and unpack the weight again for every few rows, which a batch
-of many rows outgrows. On a CPU with AVX512-BF16, a matmul of BF16_DOT_MIN_ROWS rows or more
-(int8: INT8_BF16_DOT_MIN_ROWS) runs our kernels instead (C++, kernels/quant_matmul.py): the weight
-unpacked to bfloat16 in cache once per call, every row multiplied against it there in bfloat16
-dot products. Elsewhere, and for an int8 LM head past INT8_BF16_DOT_MAX_ROWS rows, the layer's
-weight is unpacked from DENSE_MIN_ROWS rows on into a scratch bfloat16 matrix (C++,
+of many rows outgrows. On a CPU with AVX512-BF16 our kernels run instead (C++,
+kernels/quant_matmul.py), in bfloat16 dot products: an int4 matmul of fewer than
+INT4_MANY_ROWS rows reads its nibbles by table and applies each group's scale to the group's
+sums (the weight unrounded, as torch's kernel multiplies by); from INT4_MANY_ROWS rows on, each
+64-output block is unpacked to bfloat16 in cache once per call and every row multiplied there;
+the int8 LM head is converted 16 rows at a time. Elsewhere, and for an int8 LM head past
+INT8_BF16_DOT_MAX_ROWS rows, the layer's weight is unpacked from DENSE_MIN_ROWS rows on into a
+scratch bfloat16 matrix (C++,
 kernels/weight_unpack.py), multiplied by oneDNN (AMX or AVX512-BF16 where the CPU has them), then
 dropped.
 The kernels' shape rules (int4: rows a multiple of 16, inputs of 32; int8: inputs a multiple
@@ -42,14 +45,13 @@ INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole 
 # integer kernels (bench/bench_quantized_linear.py, BENCHMARKS.md section 17): the integer kernels compute in float32
 # FMAs, oneDNN in AMX/AVX512-BF16; the unpack (~50 ms for all 106M weights of SmolLM2) pays from 64 rows
 DENSE_MIN_ROWS = 64
-# on a CPU with AVX512-BF16 a matmul of BF16_DOT_MIN_ROWS rows or more takes kernels/quant_matmul.py
-# (bench/bench_quantized_linear.py, BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2):
-# int4 below 8 rows torch's kernel does less work per weight (1 row: 4.8 vs 9.3); from 8 rows on ours
-# wins (16: 18 vs 27, 64: 46 vs 86) and beats the whole-layer unpack + oneDNN at every size to 512
-# rows. The int8 LM head: ours from 1 row (1.9 vs 2.4 ms; 16: 5.3 vs 14.5) to INT8_BF16_DOT_MAX_ROWS,
-# past which the unpack + oneDNN wins (256 rows: 43 vs 57 ms)
-BF16_DOT_MIN_ROWS = 8
-INT8_BF16_DOT_MIN_ROWS = 1
+# on a CPU with AVX512-BF16 kernels/quant_matmul.py takes every int4 matmul (bench/bench_quantized_linear.py,
+# BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2): the few-rows kernel beats torch's
+# at 1-8 rows (1: 3.5 vs 5.7) and the many-rows kernel from INT4_MANY_ROWS on (16: 18 vs 27, 64: 46 vs
+# 86), which also beats the whole-layer unpack + oneDNN at every size to 512 rows. The int8 LM head: ours
+# from 1 row (1.9 vs 2.4 ms; 16: 5.3 vs 14.5) to INT8_BF16_DOT_MAX_ROWS, past which the unpack + oneDNN
+# wins (256 rows: 43 vs 57 ms)
+INT4_MANY_ROWS = 16
 INT8_BF16_DOT_MAX_ROWS = 128
 INT4_COL_MULTIPLE = GROUP_SIZE
 INT8_COL_MULTIPLE = 16
@@ -75,13 +77,17 @@ class QuantizedWeight:
     _padded_in: int
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:  # [rows, padded_in] bfloat16
-        x = x.to(COMPUTE_DTYPE)
+        if x.dtype != COMPUTE_DTYPE:
+            x = x.to(COMPUTE_DTYPE)
         if self._padded_in != self.in_features:
             x = F.pad(x, (0, self._padded_in - self.in_features))
-        return x.contiguous()
+        return x if x.is_contiguous() else x.contiguous()
 
     def _finish(self, out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        out = out[:, : self.out_features].to(dtype)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        if out.dtype != dtype:
+            out = out.to(dtype)
         return out if bias is None else out + bias
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,8 +149,10 @@ class Int4Weight(QuantizedWeight):
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype."""
         inputs = self._prepare(x)
         rows = x.shape[0]
-        if rows >= BF16_DOT_MIN_ROWS and quant_matmul.available():
-            return self._finish(quant_matmul.int4_matmul(inputs, self.packed, self.scales_zeros), bias, x.dtype)
+        if quant_matmul.available():
+            kernel = quant_matmul.int4_matmul if rows >= INT4_MANY_ROWS else quant_matmul.int4_matmul_few_rows
+            out = kernel(inputs, self.packed, self.scales_zeros, x.dtype == torch.bfloat16)  # in x's dtype, or float32
+            return self._finish(out, bias, x.dtype)
         dense = weight_unpack.unpack_int4(self.packed, self.scales_zeros) if rows >= DENSE_MIN_ROWS else None
         if dense is not None:
             return self._finish(F.linear(inputs, dense), bias, x.dtype)
@@ -188,9 +196,9 @@ class Int8Weight(QuantizedWeight):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         inputs = self._prepare(x)
         rows = x.shape[0]
-        if (INT8_BF16_DOT_MIN_ROWS <= rows <= INT8_BF16_DOT_MAX_ROWS and self._bf16_dot_shape
-                and quant_matmul.available()):
-            return self._finish(quant_matmul.int8_matmul(inputs, self.q, self.scale), bias, x.dtype)
+        if rows <= INT8_BF16_DOT_MAX_ROWS and self._bf16_dot_shape and quant_matmul.available():
+            return self._finish(quant_matmul.int8_matmul(inputs, self.q, self.scale, x.dtype == torch.bfloat16), bias,
+                                x.dtype)
         dense = weight_unpack.unpack_int8(self.q, self.scale) if rows >= DENSE_MIN_ROWS else None
         if dense is not None:
             return self._finish(F.linear(inputs, dense), bias, x.dtype)

@@ -130,3 +130,32 @@ def test_turned_off_the_kernels_are_not_loaded_and_the_torch_path_serves(monkeyp
     plan = cascade.plan_decode([[1, 2], [3]], [20, 9], 16)
     if plan.native is not None or not plan.private:
         raise AssertionError("without the kernel the plan must bucket the private parts")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_the_reference_with_strided_rows(dtype):
+    """K and V straight out of fused qkv rows (V a strided view) land in their slots as index_copy_ puts them."""
+    from kernels import reference
+
+    torch.manual_seed(3)
+    num_blocks, block_size, heads, dim, tokens = 6, 4, 3, 8, 7
+    qkv = torch.randn(tokens, 4 * heads * dim).to(dtype)  # q (2 per KV head), k, v columns
+    k = qkv[:, 2 * heads * dim : 3 * heads * dim].contiguous().view(tokens, heads, dim)
+    v = qkv[:, 3 * heads * dim :].view(tokens, heads, dim)  # rows a qkv width apart
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    caches = [torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype) for _ in range(4)]
+    cpu_attention.write_kv(k, v, caches[0], caches[1], slots)
+    reference.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
+
+
+def test_write_kv_bad_input_raises_value_error():
+    k = torch.randn(2, 3, 8)
+    cache = torch.zeros(4, 4, 3, 8)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_attention.write_kv(k, k, cache, cache.clone(), torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_attention.write_kv(k.bfloat16(), k.bfloat16(), cache, cache.clone(), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_attention.write_kv(k, k, cache, cache.clone(), torch.tensor([0]))

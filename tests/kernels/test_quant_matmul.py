@@ -38,6 +38,20 @@ def test_int4_matches_reference(out_features, in_features, rows):
                                 x.double().abs() @ dense.abs().T)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 20])
+def test_bfloat16_out_is_the_float32_out_rounded(rows):
+    torch.manual_seed(rows)
+    int4 = Int4Weight.quantize(torch.randn(128, 64) * 0.1)
+    int8 = Int8Weight.quantize(torch.randn(32, 64))
+    x = torch.randn(rows, 64).bfloat16()
+    for fn, args in ((quant_matmul.int4_matmul, (int4.packed, int4.scales_zeros)),
+                     (quant_matmul.int4_matmul_few_rows, (int4.packed, int4.scales_zeros)),
+                     (quant_matmul.int8_matmul, (int8.q, int8.scale))):
+        out = fn(x, *args, bf16_out=True)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out.view(torch.int16), fn(x, *args).bfloat16().view(torch.int16))
+
+
 def test_int4_a_wrong_weight_is_caught():
     """The tolerance is tight enough to see one nibble off in one group of one output."""
     torch.manual_seed(0)
@@ -55,11 +69,11 @@ def test_int4_bad_shapes_are_errors_not_crashes():
     ext = quant_matmul._extension()
     weight = Int4Weight.quantize(torch.randn(64, 64))
     with pytest.raises(ValueError, match="inputs"):
-        ext.int4_matmul(torch.zeros(16, 32, dtype=torch.bfloat16), weight.packed, weight.scales_zeros)
+        ext.int4_matmul(torch.zeros(16, 32, dtype=torch.bfloat16), weight.packed, weight.scales_zeros, False)
     with pytest.raises(ValueError, match="bfloat16"):
-        ext.int4_matmul(torch.zeros(16, 64), weight.packed, weight.scales_zeros)
+        ext.int4_matmul(torch.zeros(16, 64), weight.packed, weight.scales_zeros, False)
     with pytest.raises(ValueError, match="multiple of 64"):
-        ext.int4_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.packed[:32], weight.scales_zeros)
+        ext.int4_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.packed[:32], weight.scales_zeros, False)
 
 
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (160, 96), (49152 // 16, 576)])
@@ -77,7 +91,31 @@ def test_int8_bad_shapes_are_errors_not_crashes():
     ext = quant_matmul._extension()
     weight = Int8Weight.quantize(torch.randn(20, 64))
     with pytest.raises(ValueError, match="multiple of 16"):
-        ext.int8_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.q, weight.scale)
+        ext.int8_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), weight.q, weight.scale, False)
     weight = Int8Weight.quantize(torch.randn(16, 48))
     with pytest.raises(ValueError, match="multiple of 32"):
-        ext.int8_matmul(torch.zeros(2, 48, dtype=torch.bfloat16), weight.q, weight.scale)
+        ext.int8_matmul(torch.zeros(2, 48, dtype=torch.bfloat16), weight.q, weight.scale, False)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (200, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])  # around the 6-row register block
+def test_int4_few_rows_matches_the_unrounded_reference(out_features, in_features, rows):
+    torch.manual_seed(out_features * 5 + in_features + rows)
+    weight = Int4Weight.quantize(torch.randn(out_features, in_features) * 0.1)
+    x = torch.randn(rows, weight.packed.shape[1] * 2).bfloat16()
+    out = quant_matmul.int4_matmul_few_rows(x, weight.packed, weight.scales_zeros)
+    # each group's sum times its scale, plus its zero times the inputs' sum: bounded by |x| (8 |scale| + |zero|)
+    scales_zeros = weight.scales_zeros.double().abs().repeat_interleave(32, dim=0)  # [K, N, 2]
+    magnitude = x.double().abs() @ (8 * scales_zeros[..., 0] + scales_zeros[..., 1])
+    _assert_within_accumulation(out, quant_matmul.int4_few_rows_reference(x, weight.packed, weight.scales_zeros),
+                                magnitude)
+
+
+def test_int4_few_rows_a_wrong_weight_is_caught():
+    torch.manual_seed(1)
+    weight = Int4Weight.quantize(torch.randn(64, 64) * 0.1)
+    x = torch.randn(2, 64).bfloat16()
+    reference = quant_matmul.int4_few_rows_reference(x, weight.packed, weight.scales_zeros)
+    weight.packed[40, 9] ^= 0x10  # one high nibble: an output of the block's second half
+    out = quant_matmul.int4_matmul_few_rows(x, weight.packed, weight.scales_zeros)
+    assert float((out.double() - reference).abs().max()) > 1e-3

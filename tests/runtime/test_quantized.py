@@ -19,9 +19,9 @@ from runtime.perplexity import perplexity
 
 SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (9, 64, 48), (17, 200, 129), (40, 80, 70), (64, 576, 960),
           (70, 96, 130), (130, 64, 32)]  # rows, in, out
-# the paths: torch's int4 kernel below quantized.BF16_DOT_MIN_ROWS; kernels/quant_matmul from there on where
-# the CPU has AVX512-BF16 (int8: outputs a multiple of 16, up to INT8_BF16_DOT_MAX_ROWS rows); past that,
-# or without AVX512-BF16, the unpack-then-bfloat16-matmul from DENSE_MIN_ROWS rows (forced below too)
+# the paths: where the CPU has AVX512-BF16, kernels/quant_matmul (int4: few rows below quantized.INT4_MANY_ROWS,
+# many from there; int8: outputs a multiple of 16, up to INT8_BF16_DOT_MAX_ROWS rows); past that, or without
+# AVX512-BF16 (forced below too), torch's kernels, and the unpack-then-bfloat16-matmul from DENSE_MIN_ROWS rows
 
 
 def _check_close(out, x, weight):

@@ -27,6 +27,7 @@ from kernels import cpu_extension, weight_unpack
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 
 
+@functools.cache
 def _extension():
     if not CPU_FLAGS <= cpu_extension.cpu_flags():
         return None  # not built: the source would compile to a module that can do nothing

@@ -55,7 +55,8 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            with checkpoint.reader_reused():
+                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:
             raise GGUFError(f"{path}: its tokenizer could not be built ({type(exc).__name__}: {exc})") from exc
         tokenizer = cls.__new__(cls)

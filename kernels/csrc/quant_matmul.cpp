@@ -425,10 +425,13 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
   return out;
 }
 
+// the ops run without the GIL, as torch's own do: the event loop's thread runs its Python meanwhile
+const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernels");
-  m.def("int4_matmul", &int4_matmul, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N]");
-  m.def("int4_matmul_few_rows", &int4_matmul_few_rows,
+  m.def("int4_matmul", &int4_matmul, kReleaseGil, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N]");
+  m.def("int4_matmul_few_rows", &int4_matmul_few_rows, kReleaseGil,
         "x bfloat16 [M, K] (a few rows) @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N], scales factored out");
-  m.def("int8_matmul", &int8_matmul, "x bfloat16 [M, K] @ (int8 weight [N, K] * scale [N]).T -> float32 or bfloat16 [M, N]");
+  m.def("int8_matmul", &int8_matmul, kReleaseGil, "x bfloat16 [M, K] @ (int8 weight [N, K] * scale [N]).T -> float32 or bfloat16 [M, N]");
 }

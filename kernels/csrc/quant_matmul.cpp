@@ -271,19 +271,50 @@ inline void int8_block(const uint16_t* x, const uint16_t* w, int64_t k, const fl
   }
 }
 
+// 32 int8 weights -> bfloat16 (exact)
+inline __m512bh int8_to_bf16(const int8_t* q) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // rows int8 [16][k] -> bfloat16 [16][k] (exact)
 inline void convert_int8_rows(const int8_t* q, int64_t k, uint16_t* out) {
   for (int64_t r = 0; r < kOutputsPerRow; ++r) {
-    for (int64_t c = 0; c < k; c += kGroup) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + c));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-      _mm512_storeu_si512(out + r * k + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    for (int64_t c = 0; c < k; c += kGroup) _mm512_storeu_si512(out + r * k + c, (__m512i)int8_to_bf16(q + r * k + c));
   }
 }
 
 #endif  // PAGEDSERVE_BF16_DOT
+
+torch::Tensor empty_out(const torch::Tensor& x, int64_t m, int64_t n, bool bf16_out) {  // [m, n]
+  return torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+}
+
+#ifdef PAGEDSERVE_BF16_DOT
+Out out_of(torch::Tensor& out) {
+  return out.scalar_type() == torch::kBFloat16 ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
+                                               : Out{out.data_ptr<float>(), nullptr};
+}
+
+const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+struct Int4Call {  // an int4 matmul's raw operands and sizes
+  const uint16_t* x;
+  const uint8_t* packed;
+  const uint16_t* scales_zeros;
+  Out out;
+  int64_t m, k, n, groups, blocks;
+};
+
+Int4Call int4_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                   torch::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  return {bf16_data(x), packed.data_ptr<uint8_t>(), bf16_data(scales_zeros), out_of(out), m, k, n, k / kGroup,
+          n / kBlockRows};
+}
+#endif
 
 void check_x(const torch::Tensor& x, const char* op) {
   TORCH_CHECK_VALUE(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), op,
@@ -320,15 +351,9 @@ void check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch
 torch::Tensor int4_matmul_few_rows(const torch::Tensor& x, const torch::Tensor& packed,
                                    const torch::Tensor& scales_zeros, bool bf16_out) {
   check_int4(x, packed, scales_zeros, "int4_matmul_few_rows");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = empty_out(x, x.size(0), packed.size(0), bf16_out);
 #ifdef PAGEDSERVE_BF16_DOT
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
-                           : Out{out.data_ptr<float>(), nullptr};
-  const int64_t groups = k / kGroup, blocks = n / kBlockRows;
+  const auto [xs, src, sz, dst, m, k, n, groups, blocks] = int4_call(x, packed, scales_zeros, out);
   std::vector<float> x_sums(static_cast<size_t>(m * groups));  // [row][group]: sum of the group's inputs
   for (int64_t row = 0; row < m; ++row) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -359,15 +384,9 @@ torch::Tensor int4_matmul_few_rows(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                           bool bf16_out) {
   check_int4(x, packed, scales_zeros, "int4_matmul");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = empty_out(x, x.size(0), packed.size(0), bf16_out);
 #ifdef PAGEDSERVE_BF16_DOT
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
-                           : Out{out.data_ptr<float>(), nullptr};
-  const int64_t groups = k / kGroup, blocks = n / kBlockRows;
+  const auto [xs, src, sz, dst, m, k, n, groups, blocks] = int4_call(x, packed, scales_zeros, out);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> unpacked(static_cast<size_t>(groups * kGroupWords));  // one block's depth, in L1/L2
     for (int64_t block = b0; block < b1; ++block) {
@@ -398,13 +417,12 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
                     "int8_matmul: the weight must be [a multiple of 16, a multiple of 32], got [", n, ", ", k, "]");
   TORCH_CHECK_VALUE(scale.dtype() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n,
                     "int8_matmul: scale must be contiguous float32 [N]");
-  auto out = torch::empty({m, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = empty_out(x, m, n, bf16_out);
 #ifdef PAGEDSERVE_BF16_DOT
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* xs = bf16_data(x);
   const int8_t* src = q.data_ptr<int8_t>();
   const float* scales = scale.data_ptr<float>();
-  const Out dst = bf16_out ? Out{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())}
-                           : Out{out.data_ptr<float>(), nullptr};
+  const Out dst = out_of(out);
   at::parallel_for(0, n / kOutputsPerRow, 4, [&](int64_t t0, int64_t t1) {
     std::vector<uint16_t> weights(static_cast<size_t>(kOutputsPerRow * k));  // 16 rows in bfloat16
     for (int64_t tile = t0; tile < t1; ++tile) {

@@ -4,7 +4,7 @@
 
 SmolLM2-135M's shapes: one 30-layer pass of its four matmuls (qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536; 106M weights, 66 MB at 4 bits, so a pass reads from memory, not cache)
-and its LM head (49,152x576, int8), for 1-128 rows, each path in turn, alternated, median of 5.
+and its LM head (49,152x576, int8), for 1-512 rows, each path in turn, alternated, median of 5.
 Also the dense float32 and bfloat16 oneDNN matmuls on the same shapes, for reference. The
 crossovers set runtime/model/quantized.INT4_MANY_ROWS, INT8_BF16_DOT_MAX_ROWS and DENSE_MIN_ROWS. Our AVX512-BF16
 kernels (kernels/quant_matmul.py) are timed where the CPU has AVX512-BF16.

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bindings.h"
 #include "cpu_math.h"
 
 namespace {
@@ -207,10 +208,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// the ops run without the GIL, as torch's own do: the event loop's thread runs its Python meanwhile
-const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pagedserve::kReleaseGil;
   m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "residual += x; weight * rms_norm(residual) (CPU)");
   m.def("rope_qkv", &rope_qkv, kReleaseGil, "rotate-half RoPE of q and k out of fused qkv rows (CPU)");
   m.def("silu_and_mul", &silu_and_mul, kReleaseGil, "silu(gate) * up from fused gate_up rows (CPU)");

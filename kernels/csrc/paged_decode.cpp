@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bindings.h"
 #include "cpu_math.h"
 
 namespace {
@@ -566,10 +567,8 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   }
 }
 
-// the ops run without the GIL, as torch's own do: the event loop's thread runs its Python meanwhile
-const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pagedserve::kReleaseGil;
   m.def("write_kv", &write_kv, kReleaseGil, "key/value rows into their slots of the paged caches (CPU)");
   m.def("paged_decode", &paged_decode, kReleaseGil, "Paged decode attention over [starts, ends) of each row's pages (CPU)");
 }

@@ -18,6 +18,10 @@
 //   6 x 4 accumulators (16 outputs each) in registers over the whole depth, one broadcast pair
 //   of x against four weight vectors per step.
 //
+// int4_matmul_few_rows: the same layout, for a few rows of x (decode): read once from memory, each
+// nibble becomes bfloat16(q - 8) by a table lookup (exact), and a group's scale and zero are applied
+// to its 32-input dot-product sums, so the weight is never rounded (as torch's int4 kernel).
+//
 // int8_matmul: an int8 weight [N, K] with one float32 scale per output row (the LM head). Its
 // values are exact in bfloat16, so 16 rows at a time are converted into a bfloat16 buffer, dot
 // products run along K (16 lanes of partial sums per (output, row of x) pair), 16 such sums are
@@ -34,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bindings.h"
 #include "cpu_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -443,10 +448,8 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const 
   return out;
 }
 
-// the ops run without the GIL, as torch's own do: the event loop's thread runs its Python meanwhile
-const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pagedserve::kReleaseGil;
   m.def("available", &available, "whether this build has the AVX512-BF16 kernels");
   m.def("int4_matmul", &int4_matmul, kReleaseGil, "x bfloat16 [M, K] @ int4 weight (torch's CPU layout).T -> float32 or bfloat16 [M, N]");
   m.def("int4_matmul_few_rows", &int4_matmul_few_rows, kReleaseGil,

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "bindings.h"
 #include "cpu_math.h"
 
 namespace {
@@ -101,10 +102,8 @@ torch::Tensor unpack_int8(const torch::Tensor& q, const torch::Tensor& scale) {
   return out;
 }
 
-// the ops run without the GIL, as torch's own do: the event loop's thread runs its Python meanwhile
-const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pagedserve::kReleaseGil;
   m.def("unpack_int4", &unpack_int4, kReleaseGil, "torch's packed int4 CPU weight -> bfloat16 [N, K] (CPU)");
   m.def("unpack_int8", &unpack_int8, kReleaseGil, "per-row int8 weight -> bfloat16 [N, K] (CPU)");
 }

@@ -20,9 +20,8 @@ sums (the weight unrounded, as torch's kernel multiplies by); from INT4_MANY_ROW
 64-output block is unpacked to bfloat16 in cache once per call and every row multiplied there;
 the int8 LM head is converted 16 rows at a time. Elsewhere, and for an int8 LM head past
 INT8_BF16_DOT_MAX_ROWS rows, the layer's weight is unpacked from DENSE_MIN_ROWS rows on into a
-scratch bfloat16 matrix (C++,
-kernels/weight_unpack.py), multiplied by oneDNN (AMX or AVX512-BF16 where the CPU has them), then
-dropped.
+scratch bfloat16 matrix (C++, kernels/weight_unpack.py), multiplied by oneDNN (AMX or AVX512-BF16
+where the CPU has them), then dropped.
 The kernels' shape rules (int4: rows a multiple of 16, inputs of 32; int8: inputs a multiple
 of 16) are met by padding with zero rows and columns at load; an input is padded to match
 only when its width was.
@@ -47,10 +46,10 @@ INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole 
 DENSE_MIN_ROWS = 64
 # on a CPU with AVX512-BF16 kernels/quant_matmul.py takes every int4 matmul (bench/bench_quantized_linear.py,
 # BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2): the few-rows kernel beats torch's
-# at 1-8 rows (1: 3.5 vs 5.7) and the many-rows kernel from INT4_MANY_ROWS on (16: 18 vs 27, 64: 46 vs
-# 86), which also beats the whole-layer unpack + oneDNN at every size to 512 rows. The int8 LM head: ours
-# from 1 row (1.9 vs 2.4 ms; 16: 5.3 vs 14.5) to INT8_BF16_DOT_MAX_ROWS, past which the unpack + oneDNN
-# wins (256 rows: 43 vs 57 ms)
+# at every size (1: 3.8 vs 7.3, 8: 11.9 vs 14.5) and the many-rows kernel beats it from INT4_MANY_ROWS on
+# (16: 18.4 vs 23.7, 64: 45.6 vs 66.2; torch 27.8 and 106.6), and the whole-layer unpack + oneDNN up to
+# 512 rows. The int8 LM head: ours from 1 row (2.2 vs 2.7 ms; 16: 5.2 vs 15.0) to INT8_BF16_DOT_MAX_ROWS,
+# past which the unpack + oneDNN wins (512 rows: 112 vs 144 ms)
 INT4_MANY_ROWS = 16
 INT8_BF16_DOT_MAX_ROWS = 128
 INT4_COL_MULTIPLE = GROUP_SIZE

@@ -59,8 +59,8 @@ def test_q4_weights_kept_answer_and_weigh_a_fifth(smollm2_gguf, q4_float32, dequ
     # 0.3 nats in both dtypes and every matmul path, so which one greedy takes moves with the last bit of
     # the kernels; what must hold is that the answer's opening is one of the two
     first = engine.generate([_chat(engine, QUESTIONS[0])], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
-    top2 = {engine.tokenizer.decode([token_id]) for token_id in first[0].outputs[0].logprobs[0]}
-    assert "The" in top2, top2
+    top_two = {engine.tokenizer.decode([token_id]) for token_id in first[0].outputs[0].logprobs[0]}  # (+ the pick)
+    assert "The" in top_two, top_two
     if dtype == "bfloat16":  # the LM head kept in 8 bits too (a float32 engine keeps float32 logits)
         assert model.weight_bytes() <= dequantized.runner.model.weight_bytes() / 5
 

@@ -11,6 +11,7 @@ None, logs one warning, and the callers take their torch path.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -77,8 +78,17 @@ def load(source_name: str, extra_flags: tuple[str, ...] = ()):
             except OSError:  # another process staged it first: the same bytes
                 shutil.rmtree(tmp, ignore_errors=True)
         _log.info("cpu_kernels.loading", source=source.name, build=str(build))
-        module = cpp_extension.load(name=name, sources=[str(staged / source.name)], extra_cflags=list(flags),
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        # torch guards a build with a lock file that a builder killed mid-build leaves behind, and every
+        # later load then waits on it forever. An flock is dropped by the kernel when its holder dies
+        # (kill -9 included): whoever holds it is the only builder, so a lock file found then is stale
+        with open(build / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = build / "lock"
+            if stale.exists():
+                _log.warning("cpu_kernels.stale_lock_removed", source=source.name, lock=str(stale))
+                stale.unlink()
+            module = cpp_extension.load(name=name, sources=[str(staged / source.name)], extra_cflags=list(flags),
+                                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path serves
         _log.warning("cpu_kernels.unavailable", source=source.name, error=str(exc)[:500], fallback="torch")
         return None

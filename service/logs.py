@@ -20,6 +20,9 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line, newline included: print() writes the text and its newline apart, and with
+        # PYTHONUNBUFFERED each is a write(2), so a line from another writer on the same stream (the
+        # Dynamo runtime's Rust logger) could land between them and glue two lines into one
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

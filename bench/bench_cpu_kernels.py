@@ -49,10 +49,10 @@ def switched_steps(engine, load: dict, switch: str, runs: int) -> dict:
     execute = engine.runner.execute
     times = {True: [], False: []}
 
-    def timed(batch, kv):
+    def timed(batch):
         state["on"] = not state["on"]
         start = time.perf_counter()
-        out = execute(batch, kv)
+        out = execute(batch)
         if batch.num_decodes == sum(batch.num_new_tokens):
             times[state["on"]].append(time.perf_counter() - start)
         return out

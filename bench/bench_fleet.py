@@ -128,12 +128,12 @@ def calibrate(model: Path) -> dict:
 
 def step_cost(cost: dict, batch) -> float:
     prefill = decode_seqs = context = 0
-    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+    for entry in batch.entries:
+        if entry.num_new_tokens == 1 and entry.num_sample_rows == 1:  # a decode (or a prompt's last token)
             decode_seqs += 1
-            context += seq.num_computed_tokens
+            context += entry.start_position
         else:
-            prefill += num_new
+            prefill += entry.num_new_tokens
     return (cost["a_s"] + cost["b_s_per_prefill_token"] * prefill + cost["c_s_per_decode_seq"] * decode_seqs
             + cost["d_s_per_context_token"] * context)
 
@@ -267,7 +267,7 @@ def simulate(num_workers: int, policy: str, trace, cost: dict, seed: int) -> dic
             worker.busy = False
             continue
         done_at = now + step_cost(cost, batch)
-        for seq, _ in worker.scheduler.advance(batch):
+        for seq, _, _ in worker.scheduler.advance(batch):
             request = seq.request
             tracked = routed.get(request.request_id)
             if request.request_id not in first_token:

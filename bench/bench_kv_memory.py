@@ -212,7 +212,7 @@ def simulate_paged(block_size: int, trace: list[TraceRequest], num_steps: int) -
             num_output[r.request_id] = r.num_output
             scheduler.add(seq)
         batch = scheduler.schedule()
-        sampled = [seq for seq, _ in scheduler.advance(batch)]
+        sampled = [seq for seq, _, _ in scheduler.advance(batch)]
         for seq in sampled:
             seq.token_ids.append(7)  # the dummy sampled token
         held = sum(seq.num_computed_tokens for seq in scheduler.running)

@@ -4,10 +4,14 @@ from config.settings import (
     ConfigError,
     DistributedSettings,
     EngineSettings,
+    SPECULATIVE_METHODS,
     ServerSettings,
     Settings,
+    SpeculativeConfig,
     load_engine_settings,
     load_settings,
+    parse_speculative_config,
 )
 
-__all__ = ["ConfigError", "DistributedSettings", "EngineSettings", "ServerSettings", "Settings", "load_engine_settings", "load_settings"]
+__all__ = ["ConfigError", "DistributedSettings", "EngineSettings", "SPECULATIVE_METHODS", "ServerSettings", "Settings",
+           "SpeculativeConfig", "load_engine_settings", "load_settings", "parse_speculative_config"]

@@ -19,6 +19,49 @@ class ConfigError(ValueError):
     """A setting is unknown or has a bad value (the message names it)."""
 
 
+# the proposer names config, CLI and docs all read; "prediction" needs none (a request's own field)
+SPECULATIVE_METHODS = ("ngram",)
+
+
+class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What drafts and how much (vLLM's keys); the engine's policy decides per step how much of it pays."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: the most drafts one sequence verifies in one step
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up (tried first)
+    model: str | None = None  # draft_model: the draft's checkpoint
+    # the step-cost model's prior: one more token in a step costs this fraction of a one-token step,
+    # until the engine has timed steps of different sizes (then its own fit of the clock decides)
+    draft_token_cost: float = 0.02
+    prior_acceptance: float = 0.5  # a sequence's acceptance estimate before it has verified drafts
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if not self.draft_token_cost >= 0:
+            raise ConfigError(f"draft_token_cost must be >= 0, got {self.draft_token_cost}")
+        if not 0 < self.prior_acceptance < 1:
+            raise ConfigError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
+
+
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """A JSON string (the CLI's), a dict (TOML, keyword arguments) or a config; None stays None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        if isinstance(value, str):
+            return msgspec.json.decode(value, type=SpeculativeConfig)
+        return msgspec.convert(value, SpeculativeConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"speculative config: {exc}") from None
+
+
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the engine sizes its KV cache and batches."""
 
@@ -35,6 +78,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kernel_backend: str = "auto"
     pinned_block_budget: int = 64  # pages that pinned prefixes may hold in all
     quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its Q4/Q8), none, int8, int4
+    speculative_config: SpeculativeConfig | None = None  # None: no method (a request's `prediction` still drafts)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -9,14 +9,16 @@ page and tensor it holds.
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
+import msgspec
 import structlog
 import torch
 from tqdm import tqdm
 
 import kernels
-from config import EngineSettings, load_engine_settings
+from config import EngineSettings, load_engine_settings, parse_speculative_config
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.dtypes import resolve_dtype
 from runtime.kv_cache_manager import KVCacheManager
@@ -35,6 +37,7 @@ from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.speculative.speculator import Speculator
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
 
 log = structlog.get_logger(__name__)
@@ -75,6 +78,7 @@ class Engine(RequestBuilder):
         backend = kernels.resolve_backend(settings.kernel_backend, device)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
+        self.speculator = Speculator(settings.speculative_config)
         self.requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step (aborted; max_tokens=0): the next step reports them
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
@@ -94,8 +98,12 @@ class Engine(RequestBuilder):
 
         Keyword overrides are EngineSettings fields: device, dtype, quantization, block_size,
         num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, max_model_len, seed, kernel_backend.
+        enable_prefix_caching, max_model_len, seed, kernel_backend, speculative_config (vLLM's keys,
+        as a dict or its JSON).
         """
+        if "speculative_config" in overrides:
+            spec = parse_speculative_config(overrides["speculative_config"])
+            overrides["speculative_config"] = None if spec is None else msgspec.to_builtins(spec)
         settings = load_engine_settings(settings_file, **overrides)
         device = torch.device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
@@ -153,9 +161,10 @@ class Engine(RequestBuilder):
         params: SamplingParams | None = None,
         cache_salt: str | bytes | None = None,
         shared_prefix_len: int = 0,
+        prediction: str | list[int] | None = None,
     ) -> None:
         """`add(prepare_request(...))`: validate and queue, for callers that drive the engine directly."""
-        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len))
+        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, prediction=prediction))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
@@ -227,20 +236,69 @@ class Engine(RequestBuilder):
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request that got new tokens or finished."""
         outputs = [self._make_output(request) for request in self._take_ended()]
+        self.speculator.propose(self.scheduler.running, self._num_prefill_tokens(), self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.is_empty:
-            logits = self.runner.execute(batch, self.kv)  # [num_sampling, vocab]
-            to_sample = self.scheduler.advance(batch)
-            rows = [row for _, row in to_sample]
-            if rows != list(range(logits.shape[0])):  # else every row samples, in order: no copy of the logits
-                logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-            token_ids, logprobs = self.sampler(logits, [seq for seq, _ in to_sample])
-            outputs += self._append_tokens([seq for seq, _ in to_sample], token_ids, logprobs)
+            started = time.perf_counter()
+            logits = self.runner.execute(batch)  # [num_sample_rows, vocab]
+            outputs += self._apply(batch, logits)
+            self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
         elif self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests waiting and none running")
         if not self.scheduler.has_unfinished():
             self.kv.check_invariants()  # idle: every page must be accounted for
         return outputs
+
+    def _num_prefill_tokens(self) -> int:
+        """Prompt tokens the next step may compute (running chunks, then the queue), within the budget."""
+        pending = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.scheduler.running)
+        pending += sum(s.num_tokens for s in self.scheduler.waiting)
+        return min(pending, self.settings.max_num_batched_tokens)
+
+    def _apply(self, batch, logits: torch.Tensor) -> list[RequestOutput]:  # logits: [num_sample_rows, vocab]
+        """The step's results: credit the computed tokens, sample or verify, append tokens with their stop checks."""
+        to_sample = self.scheduler.advance(batch)
+        plain = [(seq, row) for seq, row, drafts in to_sample if not drafts]
+        touched: dict[str, Request] = {}
+        if plain:
+            rows = [row for _, row in plain]
+            plain_logits = logits
+            if rows != list(range(logits.shape[0])):  # else every row samples, in order: no copy of the logits
+                plain_logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+            token_ids, logprobs = self.sampler(plain_logits, [seq for seq, _ in plain])
+            for (seq, _), token_id, token_logprobs in zip(plain, token_ids, logprobs):
+                self._append_token(seq, token_id, token_logprobs)
+                touched[seq.request.request_id] = seq.request
+        for seq, row, drafts in to_sample:
+            if drafts:
+                self._verify(seq, logits[row : row + len(drafts) + 1], drafts)
+                touched[seq.request.request_id] = seq.request
+        return [self._make_output(request) for request in touched.values()]
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> None:  # rows: [k + 1, vocab]
+        """Walk the drafts in order: each position emits the target's token; a kept draft's KV counts.
+
+        The sequence's state (tokens, penalty counts, grammar) advances one token at a time, so
+        each position's distribution is the one the non-speculative sampler would use there. A
+        stop (EOS, stop string, max_tokens) inside the run ends it there.
+        """
+        greedy_plain = (seq.params.is_greedy and not seq.params.has_penalties and seq.grammar is None
+                        and seq.request.logit_bias is None and seq.params.logprobs is None)
+        targets = rows.argmax(dim=-1).tolist() if greedy_plain else None  # one call for the whole run
+        num_accepted = 0
+        for i, draft in enumerate([*drafts, None]):
+            if targets is not None:
+                token_id, accepted, token_logprobs = targets[i], targets[i] == draft, None
+            else:
+                token_id, accepted, token_logprobs = self.sampler.verify_position(rows[i], seq, draft)
+            if accepted:
+                num_accepted += 1
+                self.scheduler.accept_draft(seq)
+            self._append_token(seq, token_id, token_logprobs)
+            if not accepted or seq.is_finished:
+                break
+        self.speculator.record(seq, len(drafts), num_accepted)
+        self.scheduler.release_rejected(seq)
 
     def _take_ended(self) -> list[Request]:
         """Requests that ended outside a step (aborted, or nothing to generate), to report now."""
@@ -320,6 +378,8 @@ class Engine(RequestBuilder):
                 )
             )
         if final:
+            for seq in request.sequences:
+                self.speculator.forget(seq)
             self.requests.pop(request.request_id, None)
             pin = self._pending_pins.get(request.pin_id) if request.pin_id is not None else None
             if pin is not None and pin[0] == request.request_id:
@@ -331,6 +391,8 @@ class Engine(RequestBuilder):
             outputs=completions,
             num_cached_tokens=request.num_cached_tokens or 0,
             finished=final,
+            num_prediction_tokens=len(request.prediction_token_ids),
+            num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
         )
 
     # --- offline convenience ------------------------------------------------------------
@@ -378,6 +440,10 @@ class Engine(RequestBuilder):
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "num_pinned_blocks": self.kv.num_pinned_blocks,
+            "spec_decode_num_drafts": self.speculator.stats.num_drafts,
+            "spec_decode_num_draft_tokens": self.speculator.stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
+            "spec_decode_accepted_per_position": list(self.speculator.stats.accepted_per_position),
         }
 
     def page_map(self) -> dict:
@@ -403,6 +469,7 @@ class Engine(RequestBuilder):
                 "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": seq.num_tokens,
                 "num_computed_tokens": seq.num_computed_tokens,
                 "max_tokens": seq.params.max_tokens, "block_table": table,
+                "num_draft_tokens": seq.num_draft_tokens, "num_accepted_draft_tokens": seq.num_accepted_draft_tokens,
             })
         return {
             "block_size": self.block_size,

@@ -159,6 +159,21 @@ class KVCacheManager:
         ids.extend(block.block_id for block in new_blocks)
         return copies
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the pages wholly past the sequence's tokens: written only by drafts that were rejected.
+
+            tokens:  | ... p3: 14 15 [16] | p4: d d d  |     [16]: the last token, computed next step
+            kept:      p0 .. p3                          p4 held rejected drafts only: freed
+        """
+        table = self.block_tables[seq.seq_id]
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        del self.block_id_tables[seq.seq_id][keep:]
+        self.pool.free_blocks(reversed(extra))
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's page table; every page gains a reader."""
         table = self.block_tables[parent.seq_id]

@@ -10,7 +10,6 @@ import torch
 
 import kernels
 from runtime.attention import AttentionMetadata
-from runtime.kv_cache_manager import KVCacheManager
 from runtime.model.llama import LlamaForCausalLM
 from runtime.scheduler import ScheduledBatch
 
@@ -55,7 +54,7 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def prepare(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, rows that sample) for the batch."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -65,18 +64,17 @@ class ModelRunner:
         context_lens: list[int] = []
         query_start = [0]
         sample_rows: list[int] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            table = kv.block_ids(seq)
-            input_ids += seq.token_ids[start:end]
+        for entry in batch.entries:
+            start = entry.start_position
+            end = start + len(entry.token_ids)
+            table = entry.block_table
+            input_ids += entry.token_ids
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             tables.append(table)
             context_lens.append(end)
-            query_start.append(query_start[-1] + num_new)
-            if end == seq.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+            query_start.append(query_start[-1] + len(entry.token_ids))
+            sample_rows += range(query_start[-1] - entry.num_sample_rows, query_start[-1])
         nd = batch.num_decodes
         device = self.device
         prefill_starts = [q - query_start[nd] for q in query_start[nd:]]
@@ -102,10 +100,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, kv: KVCacheManager) -> torch.Tensor:  # float32 [num_sampling, vocab]
-        """Run the batch: page copies first, then the forward; logits only for sequences that caught up."""
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:  # float32 [num_sample_rows, vocab]
+        """Run the batch: page copies first, then the forward; logits only for the rows that sample."""
         self.copy_blocks(batch.blocks_to_copy)
-        input_ids, positions, meta, sample_rows = self.prepare(batch, kv)
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)  # [num_tokens, hidden_size]
         if sample_rows.shape[0] != hidden.shape[0]:  # else every token samples (a decode step): no gather
             hidden = hidden[sample_rows]

@@ -37,6 +37,7 @@ class Request:
         num_shared_blocks: int = 0,
         pin_id: str | None = None,
         grammar=None,
+        prediction_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -49,6 +50,8 @@ class Request:
         bias = params.logit_bias
         # params.logit_bias as (token ids int64 [k], biases float32 [k]): made once, added every step
         self.logit_bias = (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()))) if bias else None
+        self.prediction_token_ids = prediction_token_ids or []  # OpenAI's `prediction`, tokenized: drafts
+        self.num_accepted_prediction_tokens = 0  # predicted tokens kept by verification (all samples)
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
         self.sequences: list[Sequence] = []
         self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then
@@ -83,6 +86,12 @@ class Sequence:
         # grammar.GrammarMatcher: where this sample is in its grammar. Preemption keeps it: the
         # tokens are kept too, so the matcher stays in step with them
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and index == 0 else None
+        # speculation: this step's drafts (never in token_ids until verified), and how its drafts fared
+        self.draft_token_ids: list[int] = []
+        self.drafts_from_prediction = False
+        self.draft_acceptance: float | None = None  # per-position acceptance estimate; None: none verified yet
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token (and count it for penalties, if they are being counted)."""

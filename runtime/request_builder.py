@@ -53,6 +53,7 @@ class RequestBuilder:
         pin_id: str | None = None,
         prompt_param: str = "prompt",
         grammar: CompiledGrammar | None = None,
+        prediction: str | list[int] | None = None,
     ) -> Request:
         """Validate a request once and build it.
 
@@ -67,6 +68,9 @@ class RequestBuilder:
         A constrained request (params.structured_outputs) takes its `grammar` compiled already
         (the service compiles off the event loop); without one it is compiled here. A
         constraint that does not compile raises InvalidRequestError naming its field.
+
+        `prediction` (OpenAI's Predicted Outputs: text, or token ids) is the output the caller
+        expects; it drafts for speculative decoding and never changes the output.
         """
         limits = self.limits
         params = params or SamplingParams()
@@ -84,10 +88,15 @@ class RequestBuilder:
             raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
+        predicted = self.tokenizer.encode(prediction, add_special_tokens=False) if isinstance(prediction, str) \
+            else list(prediction or [])
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in predicted):
+            raise InvalidRequestError(f"prediction token ids must be integers in [0, {vocab_size})", param="prediction")
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
                        num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id,
-                       grammar=grammar if params.structured_outputs is not None else None)
+                       grammar=grammar if params.structured_outputs is not None else None,
+                       prediction_token_ids=predicted)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""

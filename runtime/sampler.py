@@ -17,6 +17,7 @@ import torch
 from kernels.token_mask import allowed_token_ids
 from runtime.grammar import fill_bitmasks
 from runtime.request import Sequence
+from runtime.speculative.rejection import draw, verify_draft
 
 
 @dataclass
@@ -131,23 +132,64 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None = None) -> int:
         """One token for one sequence; with `allowed` (a grammar's ids) only among those."""
+        return self._pick(row, seq, allowed, None)[0]
+
+    def _pick(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None,
+              draft: int | None) -> tuple[int, bool]:
+        """(token, whether it is `draft`): a plain draw without a draft, else the exact rejection rule."""
         params = seq.params
         if params.has_penalties:
             row = apply_penalties(row, seq)
+        index = None  # the draft's place in `row` once restricted; None: not among the allowed ids
+        if draft is not None:
+            index = draft
+            if allowed is not None:
+                at = int(torch.searchsorted(allowed, draft))
+                index = at if at < allowed.shape[0] and int(allowed[at]) == draft else None
         if allowed is not None:
             row = row[allowed]  # [num_allowed]: what follows costs O(allowed), not O(vocab)
         if params.is_greedy:
             choice = int(row.argmax())
+            accepted = index is not None and choice == index
         else:
-            row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
-            probs = torch.softmax(row, dim=-1)
-            # Inverse CDF: one uniform draw per token (so a seeded sequence's draws do not depend on
-            # the batch), O(vocab) adds; a token of probability 0 is never chosen, since
-            # searchsorted(right=True) lands on the first cumulative sum strictly above the draw.
-            cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
-            draw = torch.rand((), dtype=torch.float64, generator=seq.generator or self.generator) * cdf[-1]
-            choice = min(int(torch.searchsorted(cdf, draw, right=True)), row.shape[0] - 1)
-        return int(allowed[choice]) if allowed is not None else choice
+            probs = self.target_probs(row, params)
+            generator = seq.generator or self.generator
+            if draft is None:
+                # Inverse CDF: one uniform draw per token (so a seeded sequence's draws do not depend on
+                # the batch); a token of probability 0 is never chosen
+                choice, accepted = draw(probs, generator), False
+            elif index is None:  # the grammar refuses the draft: p(d) = 0, rejected, and the residual is p
+                torch.rand((), dtype=torch.float64, generator=generator)  # the acceptance draw, spent as always
+                choice, accepted = draw(probs, generator), False
+            else:
+                choice, accepted = verify_draft(probs, None, index, generator)
+        return (int(allowed[choice]) if allowed is not None else choice), accepted
+
+    @staticmethod
+    def target_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
+        """The distribution a sampled token is drawn from: the (penalised, restricted) row tempered, then filtered."""
+        return torch.softmax(filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
+
+    def verify_position(self, row: torch.Tensor, seq: Sequence,
+                        draft: int | None) -> tuple[int, bool, dict[int, float] | None]:  # row: float32 [vocab]
+        """The token one verified position emits for `seq`, in its state now (tokens so far, grammar, penalties).
+
+        With a deterministic `draft`: (the draft, True) with probability p(draft), else a draw from p
+        without it; greedy keeps the draft exactly when it is the argmax. Without one (the position
+        after the last draft): an ordinary draw. Also the token's logprobs when asked (raw row, as
+        __call__ gives them).
+        """
+        row = row.float().cpu()
+        params = seq.params
+        logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
+        bias = seq.request.logit_bias
+        if bias is not None:
+            row = row.clone()
+            row[bias[0]] += bias[1]
+        allowed = self._allowed_ids(row.shape[0], [seq]).get(0)
+        token_id, accepted = self._pick(row, seq, allowed, draft)
+        token_logprobs = self._logprobs(logprobs, token_id, params.logprobs) if logprobs is not None else None
+        return token_id, accepted, token_logprobs
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

@@ -26,17 +26,45 @@ from runtime.request import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledBatch:
-    """One step's work: sequences (decodes first) and how many new tokens each computes."""
+class ScheduledSequence:
+    """One sequence's share of a step, as plain data: what the runner computes and which rows it samples.
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+        token_ids:  | to compute (prompt chunk, or the last token) | drafts (k) |
+        positions:    start_position ...
+        logits rows:  the last num_sample_rows tokens (0 mid-prompt; 1 + k once caught up)
+    """
+
+    seq_id: str
+    token_ids: list[int]  # this step's input: tokens to compute, then the drafts to verify
+    start_position: int  # position of token_ids[0]
+    block_table: list[int]  # physical pages covering every position written (the manager's list: read only)
+    num_draft_tokens: int  # the last ones of token_ids are drafts
+    num_sample_rows: int  # logits rows this sequence gets: its last num_sample_rows tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: plain decodes first (one token each, no drafts), then chunks and verifications."""
+
+    entries: list[ScheduledSequence] = field(default_factory=list)
     num_decodes: int = 0
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.entries
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return [len(e.token_ids) for e in self.entries]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.entries)
 
 
 class Scheduler:
@@ -51,6 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up, at first scheduling
         self.prefix_cache_hits = 0  # of which found in cached pages
+        self._scheduled: list[Sequence] = []  # the last schedule()'s sequences, in its entries' order
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,35 +88,55 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch and take the pages it writes."""
+        """Pick this step's batch and take the pages it writes (drafts included, where they fit)."""
         batch = ScheduledBatch()
+        self._scheduled = []
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         preempted = False
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        plain = [s for s in decodes if not s.draft_token_ids]  # one-token decodes lead the batch
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + chunks:
+        for seq in plain + [s for s in decodes if s.draft_token_ids] + chunks:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.has_room(seq, num_new):  # most decodes write inside their last page
-                while not self.kv.can_allocate(seq, num_new):
-                    victim = self._pick_victim(seq, scheduled)
-                    self.preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+            drafts = self._fit_drafts(seq, num_new, budget)
+            if not self.kv.has_room(seq, num_new + len(drafts)):  # most decodes write inside their last page
+                if drafts and self.kv.can_allocate(seq, num_new + len(drafts)):
+                    batch.blocks_to_copy += self.kv.allocate(seq, num_new + len(drafts))
+                else:
+                    drafts = seq.draft_token_ids = []  # never preempt for a draft
+                    while not self.kv.can_allocate(seq, num_new):
+                        victim = self._pick_victim(seq, scheduled)
+                        self.preempt(victim)
+                        preempted = True
+                        if victim is seq:
+                            break
+                    if seq.status is not SequenceStatus.RUNNING:
+                        continue
+                    batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+            # only tokens that are the sequence's own are hashed: a page holding a draft never is
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
-            self._add_to_batch(batch, seq, num_new, scheduled)
-            budget -= num_new
+            self._add_to_batch(batch, seq, num_new, drafts, scheduled)
+            budget -= num_new + len(drafts)
         if not preempted:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
+
+    def _fit_drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """The drafts that fit this step: only for a sequence one token from caught up, within the budget."""
+        drafts = seq.draft_token_ids
+        if not drafts:
+            return drafts
+        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            seq.draft_token_ids = []
+            return []
+        if len(drafts) > budget - 1:
+            drafts = seq.draft_token_ids = drafts[: budget - 1]
+        return drafts
 
     @staticmethod
     def _num_seats(seq: Sequence) -> int:
@@ -114,18 +163,24 @@ class Scheduler:
                 self.prefix_cache_hits += num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.draft_token_ids = []
             self.running.append(seq)
             num_seats += self._num_seats(seq)
-            self._add_to_batch(batch, seq, num_new, scheduled)
+            self._add_to_batch(batch, seq, num_new, [], scheduled)
             budget -= num_new
         return budget
 
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int, scheduled: set[str]) -> None:
-        if num_new == 1 and batch.num_decodes == len(batch.seqs):
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int, drafts: list[int],
+                      scheduled: set[str]) -> None:
+        start = seq.num_computed_tokens
+        caught_up = start + num_new == seq.num_tokens
+        if num_new == 1 and not drafts and batch.num_decodes == len(batch.entries):
             batch.num_decodes += 1
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(num_new)
+        batch.entries.append(ScheduledSequence(
+            seq.seq_id, seq.token_ids[start : start + num_new] + drafts, start, self.kv.block_ids(seq),
+            len(drafts), 1 + len(drafts) if caught_up else 0,
+        ))
+        self._scheduled.append(seq)
         scheduled.add(seq.seq_id)
 
     def _pick_victim(self, asking: Sequence, scheduled: set[str]) -> Sequence:
@@ -139,27 +194,42 @@ class Scheduler:
         self.kv.free(seq)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Credit the computed tokens; return the sequences that now sample, with their logits row.
+    def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, list[int]]]:
+        """Credit the computed tokens; return the sequences that now sample: (sequence, first logits row, drafts).
 
+        A sequence's rows are its entry's last num_sample_rows tokens, in batch order: one row, or
+        1 + k with k drafts to verify (their KV is written; `accept_draft` credits each one kept).
         A request with n > 1 forks here, when its prompt is first fully computed: the forks
         share every page and sample from the same logits row.
         """
         to_sample = []
         row = 0
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < seq.num_tokens:
+        for seq, entry in zip(self._scheduled, batch.entries):
+            seq.num_computed_tokens += entry.num_new_tokens - entry.num_draft_tokens
+            if not entry.num_sample_rows:
                 continue
-            to_sample.append((seq, row))
+            drafts = entry.token_ids[entry.num_new_tokens - entry.num_draft_tokens :]
+            to_sample.append((seq, row, drafts))
             if seq.request.fork_pending:
-                to_sample += [(child, row) for child in self._fork(seq)]
-            row += 1
+                to_sample += [(child, row, []) for child in self._fork(seq)]
+            row += entry.num_sample_rows
+        self._scheduled = []
         return to_sample
+
+    def accept_draft(self, seq: Sequence) -> None:
+        """A verified draft is kept: its KV, written this step, now counts as computed."""
+        seq.num_computed_tokens += 1
+
+    def release_rejected(self, seq: Sequence) -> None:
+        """After verification: pages wholly past the sequence's tokens (rejected drafts only) go back."""
+        seq.draft_token_ids = []
+        if seq.status is SequenceStatus.RUNNING:
+            self.kv.trim(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request

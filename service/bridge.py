@@ -76,7 +76,8 @@ class ModelLike(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
-                        prompt_param: str = "prompt", grammar: CompiledGrammar | None = None) -> Request: ...
+                        prompt_param: str = "prompt", grammar: CompiledGrammar | None = None,
+                        prediction: str | list[int] | None = None) -> Request: ...
 
 
 class EngineLike(ModelLike, Protocol):

@@ -14,6 +14,19 @@ DTYPE_HELP = "float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 QUANTIZATION_HELP = ("matmul weights: auto (a GGUF keeps Q4_0/Q4_1 as int4 and Q8_0 as int8), none (dense), "
                      "int8 (per row) or int4 (per 32 inputs) at load")
+SPECULATIVE_HELP = ("speculative decoding, as vLLM's JSON: "
+                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
+                    "the output is the same as without it")
+
+
+def _speculative(text: str | None):
+    """--speculative-config's JSON as the settings' dict (ConfigError naming what is wrong)."""
+    import msgspec
+
+    from config import parse_speculative_config
+
+    spec = parse_speculative_config(text)
+    return None if spec is None else msgspec.to_builtins(spec)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -24,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         engine = Engine.from_pretrained(
             args.model, show_progress=True, settings_file=args.config, device=args.device, dtype=args.dtype,
-            num_blocks=args.num_blocks, quantization=args.quantization,
+            num_blocks=args.num_blocks, quantization=args.quantization, speculative_config=args.speculative_config,
         )
     except (UnsupportedModelError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -70,7 +83,8 @@ def _settings(args: argparse.Namespace):
         return load_settings(args.config, overrides={
             "server": server,
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
-                       "max_num_seqs": args.max_num_seqs, "quantization": args.quantization},
+                       "max_num_seqs": args.max_num_seqs, "quantization": args.quantization,
+                       "speculative_config": _speculative(args.speculative_config)},
             "distributed": distributed,
         })
     except ConfigError as exc:
@@ -112,6 +126,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     parser.add_argument("--discovery-dir", default=None,
                         help="Dynamo file discovery folder, shared by the front doors and workers of one cluster")
     parser.add_argument("--namespace", default=None, help="Dynamo namespace (default: pagedserve)")
@@ -129,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
     gen.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--num-blocks", type=int, default=None)
+    gen.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

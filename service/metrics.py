@@ -75,10 +75,19 @@ class EngineStatsCollector:
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              "prefix_cache_queries"),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("vllm:spec_decode_num_drafts", "Sequence-steps that verified drafts.", "spec_decode_num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
         ):
             counter = CounterMetricFamily(name, doc, labels=list(labels))
-            counter.add_metric(list(labels.values()), stats[key])
+            counter.add_metric(list(labels.values()), stats.get(key, 0))
             yield counter
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by their position in the draft (0 first).",
+                                           labels=[*labels, "position"])
+        for position, count in enumerate(stats.get("spec_decode_accepted_per_position", [])):
+            per_position.add_metric([*labels.values(), str(position)], count)
+        yield per_position
 
 
 class ServiceMetrics:

@@ -34,6 +34,7 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
         self.num_cached_tokens = 0
+        self.num_accepted_prediction_tokens = 0
         self.num_completion_tokens = [0] * n  # per choice, tokens handed to the reader
         self.finish_reasons: list[str | None] = [None] * n
         self.finished = False
@@ -69,6 +70,7 @@ class RequestStream:
             self.num_completion_tokens[index] += len(new_ids)
             got_tokens = got_tokens or bool(new_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        self.num_accepted_prediction_tokens = output.num_accepted_prediction_tokens
         if got_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now

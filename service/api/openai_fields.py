@@ -46,7 +46,9 @@ CHAT_FIELDS: dict[str, tuple[str, str]] = {
     "metadata": (IGNORED, "only used with store"),
     "service_tier": (IGNORED, "one tier here"),
     "prompt_cache_retention": (IGNORED, "the prefix cache keeps pages until evicted; pin a prefix to keep it"),
-    "prediction": (IGNORED, "a latency hint only; the output does not depend on it"),
+    "prediction": (SUPPORTED, "{\"type\": \"content\"} text (or text parts) drafts for speculative decoding: "
+                              "verified by the model, so the output is the same as without it; usage reports "
+                              "accepted and rejected prediction tokens"),
     "reasoning_effort": (IGNORED, "the served model has no reasoning mode"),
     "verbosity": (IGNORED, "the served model has no verbosity control"),
     "modalities": (SUPPORTED, "[\"text\"]; any other modality is a 400"),

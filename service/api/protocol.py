@@ -196,6 +196,10 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self.ignore_eos = bool(self.ignore_eos)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
 
+    def prediction_text(self) -> str | None:
+        """A Predicted Outputs text, where the API has the field (chat)."""
+        return None
+
     def check_fields(self) -> None:
         """Raise InvalidRequestError for a field this server refuses (openai_fields: REFUSED) or a bad
         combination. Called by decode_body (an error raised while msgspec decodes would lose its param)."""
@@ -318,12 +322,12 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     safety_identifier: str | None = None
+    prediction: dict | None = None  # Predicted Outputs: {"type": "content", "content": text or text parts}
     # accepted and ignored (openai_fields.CHAT_FIELDS says why)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
-    prediction: dict | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
     # a 400 naming them
@@ -340,6 +344,23 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
         super().check_fields()
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise InvalidRequestError("this model writes text only: modalities must be [\"text\"]", param="modalities")
+        self.prediction_text()
+
+    def prediction_text(self) -> str | None:
+        """The `prediction`'s text; InvalidRequestError (param "prediction") if it is not a content prediction."""
+        prediction = self.prediction
+        if prediction is None:
+            return None
+        if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
+            raise InvalidRequestError('prediction must be {"type": "content", "content": ...}', param="prediction")
+        content = prediction.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
+                                             for p in content):
+            return "".join(p["text"] for p in content)
+        raise InvalidRequestError("prediction.content must be a string or a list of text parts", param="prediction")
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

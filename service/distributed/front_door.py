@@ -50,7 +50,8 @@ CALL_TIMEOUT_S = 10.0  # a one-shot call (stats, pin, describe) to one worker
 MAX_ROUTE_ATTEMPTS = 3  # workers tried for one request before its first frame
 LOST_WORKER_TTL_S = 15.0  # a worker that failed is skipped this long: past discovery's TTL, so until it is dropped
 STAT_SUMS = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_kv_tokens", "num_running",
-             "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_pinned_blocks")
+             "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_pinned_blocks",
+             "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class WorkerLost(UnavailableError):
@@ -73,6 +74,9 @@ def sum_stats(per_worker: list[dict]) -> dict:
     """The cluster's engine stats: counters and page counts summed over workers."""
     total = {key: sum(stats.get(key, 0) for stats in per_worker) for key in STAT_SUMS}
     total["block_size"] = per_worker[0]["block_size"] if per_worker else 0
+    per_position = [stats.get("spec_decode_accepted_per_position", []) for stats in per_worker]
+    total["spec_decode_accepted_per_position"] = [sum(counts[i] for counts in per_position if i < len(counts))
+                                                  for i in range(max(map(len, per_position), default=0))]
     return total
 
 

@@ -29,6 +29,7 @@ class Generate(msgspec.Struct, tag="generate"):
     params: dict[str, Any]  # SamplingParams' fields
     cache_salt: str | None  # hex of the tenant salt
     num_shared_blocks: int  # leading blocks hashed without the salt (an operator-shared prefix)
+    prediction_token_ids: list[int] = []  # Predicted Outputs, tokenized by the front door: the worker drafts from it
 
 
 class Pin(msgspec.Struct, tag="pin"):
@@ -70,12 +71,14 @@ class Choice(msgspec.Struct, array_like=True):
 class Output(msgspec.Struct, tag="output"):
     choices: list[Choice]
     num_cached_tokens: int
+    num_accepted_prediction_tokens: int = 0
 
 
 class Done(msgspec.Struct, tag="done"):
     """The request ended on the worker (every choice has its finish reason)."""
 
     num_cached_tokens: int
+    num_accepted_prediction_tokens: int = 0
 
 
 class Failure(msgspec.Struct, tag="failure"):
@@ -132,7 +135,7 @@ def decode_frame(obj: Any) -> Frame:
 def generate_call(request: Request) -> Generate:
     """The wire form of a request built by RequestBuilder.prepare_request."""
     return Generate(request.request_id, request.prompt_token_ids, msgspec.to_builtins(request.params),
-                    salt_hex(request.cache_salt), request.num_shared_blocks)
+                    salt_hex(request.cache_salt), request.num_shared_blocks, request.prediction_token_ids)
 
 
 def salt_hex(salt: bytes | None) -> str | None:
@@ -162,4 +165,5 @@ def request_output(request_id: str, prompt_token_ids: list[int], frame: Output |
             outputs.append(CompletionOutput(index=choice.index, text="", token_ids=[], new_text=choice.text,
                                             new_token_ids=choice.token_ids, finish_reason=choice.finish_reason,
                                             new_logprobs=logprobs))
-    return RequestOutput(request_id, None, prompt_token_ids, outputs, frame.num_cached_tokens, finished)
+    return RequestOutput(request_id, None, prompt_token_ids, outputs, frame.num_cached_tokens, finished,
+                         num_accepted_prediction_tokens=frame.num_accepted_prediction_tokens)

@@ -87,7 +87,8 @@ class Worker:
             grammar = await self.grammars.compile(params.structured_outputs)  # off this loop, as the front door
             request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
                                                   wire.salt_bytes(call.cache_salt),
-                                                  call.num_shared_blocks * self.engine.block_size, grammar=grammar)
+                                                  call.num_shared_blocks * self.engine.block_size, grammar=grammar,
+                                                  prediction=call.prediction_token_ids)
         except InvalidRequestError as exc:
             yield wire.failure_of(exc)
             return
@@ -102,8 +103,9 @@ class Worker:
                 if deltas is None:
                     yield wire.Waiting()
                 else:
-                    yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens)
-            yield wire.Done(stream.num_cached_tokens)
+                    yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens,
+                                      stream.num_accepted_prediction_tokens)
+            yield wire.Done(stream.num_cached_tokens, stream.num_accepted_prediction_tokens)
         except Exception as exc:  # the engine failed the request (stream.fail)
             log.warning("request failed on the worker", request_id=request.request_id, error=repr(exc))
             yield wire.Failure(f"the worker's engine failed the request: {exc}")

@@ -39,14 +39,14 @@ def add(sched: Scheduler, *seqs: Sequence) -> None:
 def step(sched: Scheduler, token: int = 7) -> tuple[ScheduledBatch, list[tuple[Sequence, int]]]:
     """One fake model step; returns the batch and advance()'s (sequence, logits row) list."""
     batch = sched.schedule()
-    sampled = sched.advance(batch)
+    sampled = [(seq, row) for seq, row, _ in sched.advance(batch)]
     for seq, _ in sampled:
         seq.token_ids.append(token)
     return batch, sampled
 
 
 def plan(batch: ScheduledBatch) -> list[tuple[str, int]]:
-    return [(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+    return [(entry.seq_id, entry.num_new_tokens) for entry in batch.entries]
 
 
 def ids(seqs) -> list[str]:

@@ -1,0 +1,88 @@
+r"""How many drafts each sequence verifies this step: only as many as pay for themselves.
+
+A step that computes T tokens takes about t0 + t1 * T seconds (t0: reading the weights, the
+fixed part; t1: one more token's compute). The engine times its steps and fits both
+(`StepCostModel`, least squares with exponential forgetting, held near a prior until steps of
+different sizes have been seen).
+
+A sequence whose drafts are accepted at rate a gets its j-th draft's token with probability
+a^j (every earlier one must be accepted too). Drafting raises a step's expected output E by
+a^j and its time t by t1, so it pays while a^j / t1 > E / t: the step's tokens per second
+rise. `plan_drafts` hands out draft slots best-first while that holds:
+
+    single stream (t1 << t0):   nearly any draft pays, k stays at its cap
+    64 decodes (t1 * T >> t0):  E / t ~ 1 / t1, so a draft needs a^j > ~1: none are made
+
+A sequence's acceptance is an exponential average over its verified steps, starting from
+the configured prior, so one whose drafts keep failing stops drafting.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class StepCostModel:
+    """Fits seconds = t0 + t1 * tokens over recent steps (exponentially weighted least squares)."""
+
+    DECAY = 0.98  # weight of the past per observed step
+    PRIOR_SPREAD = 16.0  # tokens squared: how much spread in step sizes the prior's slope is worth
+
+    def __init__(self, relative_token_cost: float) -> None:
+        self.relative_token_cost = relative_token_cost  # t1 / t0 before any step is timed
+        self._sums = [0.0] * 5  # weighted n, sum x, sum y, sum xx, sum xy
+        self._num_steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step's size and wall time."""
+        s = self._sums
+        for i in range(5):
+            s[i] *= self.DECAY
+        x, y = float(num_tokens), seconds
+        s[0] += 1.0
+        s[1] += x
+        s[2] += y
+        s[3] += x * x
+        s[4] += x * y
+        self._num_steps += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(t0, t1) in seconds: the fitted line, its slope held toward the prior's until the sizes vary.
+
+        The slope is a ridge estimate, (cov(x, y) + r * prior_t1) / (var(x) + r), with r worth
+        PRIOR_SPREAD tokens squared: steps of one size only (var 0) keep the prior's t1 / t0
+        ratio, scaled to their mean time; a few steps of different sizes outweigh it.
+        """
+        n, sx, sy, sxx, sxy = self._sums
+        if n <= 0.0:
+            return 1.0, self.relative_token_cost
+        mean_x, mean_y = sx / n, sy / n
+        prior_t1 = mean_y / (1.0 + self.relative_token_cost * mean_x) * self.relative_token_cost
+        var_x = max(sxx - n * mean_x * mean_x, 0.0)
+        cov_xy = sxy - n * mean_x * mean_y
+        t1 = max((cov_xy + self.PRIOR_SPREAD * prior_t1) / (var_x + self.PRIOR_SPREAD), 0.0)
+        t0 = max(mean_y - t1 * mean_x, 1e-9)
+        return t0, t1
+
+
+def plan_drafts(acceptance: list[float], max_drafts: list[int], num_base_tokens: int, num_emitting: int,
+                cost: tuple[float, float]) -> list[int]:
+    """Drafts per candidate sequence: slots best-first (a^j), while each raises expected tokens per second.
+
+    acceptance[i]: candidate i's acceptance estimate; max_drafts[i]: the most it may verify;
+    num_base_tokens: the step's tokens without drafts; num_emitting: sequences that emit a token
+    this step without drafts; cost: (t0, t1) from StepCostModel.
+    """
+    t0, t1 = cost
+    time = t0 + t1 * num_base_tokens
+    expected = float(num_emitting)
+    slots = sorted(((math.pow(a, j), i) for i, (a, k) in enumerate(zip(acceptance, max_drafts))
+                    for j in range(1, k + 1)), reverse=True)
+    num_drafts = [0] * len(acceptance)
+    for gain, i in slots:
+        if gain * time <= expected * t1:  # tokens per second would not rise (the rest gain less)
+            break
+        num_drafts[i] += 1
+        expected += gain
+        time += t1
+    return num_drafts

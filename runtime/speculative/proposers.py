@@ -1,0 +1,99 @@
+"""Proposers: something cheap that drafts the next tokens of a running sequence.
+
+One small protocol: `propose(seq, k)` returns up to k draft tokens for the sequence as it is now
+(prompt + outputs so far), and `forget(seq_id)` drops what it kept for a sequence that ended.
+Every proposer here is deterministic (its q is one-hot), so verification accepts a draft with
+the target's own probability of it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from runtime.request import Sequence
+from runtime.speculative.ngram import NgramIndex
+
+
+class Proposer(Protocol):
+    """Drafts for one sequence at a time; state per sequence id, dropped by forget."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def forget(self, seq_id: str) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram"): the latest earlier occurrence of the longest matching suffix."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min = n_min
+        self.n_max = n_max
+        self.indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        index = self.indexes.get(seq.seq_id)
+        if index is None:
+            index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
+        return index.propose(seq.token_ids, k)
+
+    def forget(self, seq_id: str) -> None:
+        self.indexes.pop(seq_id, None)
+
+
+class _PredictionCursor:
+    """Where one sequence's output stands in its request's predicted tokens."""
+
+    __slots__ = ("position", "num_checked")
+
+    def __init__(self) -> None:
+        self.position: int | None = 0  # the predicted token expected next; None: lost, realign
+        self.num_checked = 0  # output tokens compared with the prediction so far
+
+
+class PredictionProposer:
+    """OpenAI's Predicted Outputs: the caller's expected text, tokenized, is the draft.
+
+    While the output follows the prediction, the draft is the prediction's next k tokens. Where
+    the output departs from it, the cursor is lost; it is found again where the output's last
+    REALIGN_MAX..REALIGN_MIN tokens occur in the prediction (the first occurrence after the
+    last aligned place, else the first anywhere), as an edit rejoins the text it edits.
+    """
+
+    REALIGN_MIN = 2
+    REALIGN_MAX = 4
+
+    def __init__(self) -> None:
+        self.cursors: dict[str, _PredictionCursor] = {}
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        predicted = seq.request.prediction_token_ids
+        if not predicted:
+            return []
+        cursor = self.cursors.get(seq.seq_id)
+        if cursor is None:
+            cursor = self.cursors[seq.seq_id] = _PredictionCursor()
+        output = seq.output_token_ids
+        last_aligned = cursor.position or 0
+        for token_id in output[cursor.num_checked :]:
+            if cursor.position is not None and cursor.position < len(predicted) and predicted[cursor.position] == token_id:
+                cursor.position += 1
+            else:
+                cursor.position = None
+        cursor.num_checked = len(output)
+        if cursor.position is None:
+            cursor.position = self._realign(predicted, output, last_aligned)
+        if cursor.position is None:
+            return []
+        return list(predicted[cursor.position : cursor.position + k])
+
+    def _realign(self, predicted: list[int], output: list[int], after: int) -> int | None:
+        for n in range(min(self.REALIGN_MAX, len(output)), self.REALIGN_MIN - 1, -1):
+            suffix = output[-n:]
+            found = [end for end in range(n, len(predicted) + 1) if predicted[end - n : end] == suffix]
+            if found:
+                later = [end for end in found if end >= after]
+                return (later or found)[0]
+        return None
+
+    def forget(self, seq_id: str) -> None:
+        self.cursors.pop(seq_id, None)

@@ -1,0 +1,41 @@
+"""The draft policy: drafts where they raise tokens per second, none where the step is compute-bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.speculative.policy import StepCostModel, plan_drafts
+
+
+def test_a_memory_bound_single_stream_drafts_up_to_its_cap():
+    # one token costs t0 = 10 ms, one more 0.1 ms: any acceptance worth having pays
+    assert plan_drafts([0.6], [4], num_base_tokens=1, num_emitting=1, cost=(0.010, 0.0001)) == [4]
+
+
+def test_a_compute_bound_batch_drafts_nothing():
+    # 64 decodes, each token 1 ms on top of a 10 ms step: a draft would need to be accepted more than ~0.85 of the time
+    assert plan_drafts([0.8] * 64, [4] * 64, num_base_tokens=64, num_emitting=64, cost=(0.010, 0.001)) == [0] * 64
+
+
+def test_drafts_go_to_the_sequences_that_accept_them():
+    counts = plan_drafts([0.95, 0.1, 0.5], [4, 4, 4], num_base_tokens=3, num_emitting=3, cost=(0.010, 0.001))
+    assert counts[0] == 4 and counts[1] == 0 and 0 < counts[2] < 4
+
+
+def test_the_cost_model_learns_the_clock_from_steps_of_different_sizes():
+    model = StepCostModel(relative_token_cost=0.5)  # a wrong prior
+    for i in range(400):
+        tokens = 1 + (i * 7) % 40
+        model.observe(tokens, 0.020 + 0.0005 * tokens)
+    t0, t1 = model.coefficients()
+    assert t0 == pytest.approx(0.020, rel=0.05) and t1 == pytest.approx(0.0005, rel=0.05)
+
+
+def test_before_any_step_the_prior_sets_the_shape():
+    t0, t1 = StepCostModel(relative_token_cost=0.02).coefficients()
+    assert t1 / t0 == pytest.approx(0.02)
+    model = StepCostModel(relative_token_cost=0.02)
+    for _ in range(50):
+        model.observe(1, 0.010)  # one size only: the slope cannot be seen, the prior's ratio holds
+    t0, t1 = model.coefficients()
+    assert t0 == pytest.approx(0.010, rel=0.05) and t1 / t0 == pytest.approx(0.02, rel=0.2)

@@ -137,8 +137,12 @@ def plan_decode(
     min_shared_pages: int = MIN_SHARED_PAGES,
     bucket_call_pages: int = BUCKET_CALL_PAGES,
     native: bool | None = None,
+    owners: list[int] | None = None,
 ) -> DecodePlan:
     """Group decode rows by the physical pages their tables start with.
+
+    `owners` (one per row): rows with the same owner (a verification's k + 1 queries of one
+    sequence) never share a group, so each is computed as that sequence's lone decode would be.
 
     `native`: whether the private parts go through the C++ kernel; None: wherever it is
     available for CPU tensors.
@@ -157,7 +161,7 @@ def plan_decode(
     caps = [min(len(t), (n - 1) // block_size) for t, n in zip(tables, context_lens)]
     runs: list[tuple[int, list[int]]] = []  # (shared pages, rows), in sorted order
     for i in sorted(range(num_seqs), key=lambda r: tables[r]):
-        if runs:
+        if runs and (owners is None or all(owners[r] != owners[i] for r in runs[-1][1])):
             common, rows = runs[-1]
             prev = rows[-1]
             shared = min(_common_prefix(tables[prev], tables[i]), caps[prev], caps[i])

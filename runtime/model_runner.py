@@ -62,32 +62,41 @@ class ModelRunner:
         slots: list[int] = []
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        query_start = [0]
+        query_start = [0]  # offsets of the chunks' rows, which follow the decode tokens
         sample_rows: list[int] = []
-        for entry in batch.entries:
+        num_decode_tokens = 0
+        owners: list[int] = []  # per decode token, its entry: one sequence's verification rows never share a group
+        for i, entry in enumerate(batch.entries):
             start = entry.start_position
             end = start + len(entry.token_ids)
             table = entry.block_table
             input_ids += entry.token_ids
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            tables.append(table)
-            context_lens.append(end)
-            query_start.append(query_start[-1] + len(entry.token_ids))
-            sample_rows += range(query_start[-1] - entry.num_sample_rows, query_start[-1])
-        nd = batch.num_decodes
+            if i < batch.num_decodes:  # each token a decode query, seeing the positions up to its own
+                tables += [table] * len(entry.token_ids)
+                context_lens += range(start + 1, end + 1)
+                owners += [i] * len(entry.token_ids)
+                num_decode_tokens += len(entry.token_ids)
+            else:
+                tables.append(table)
+                context_lens.append(end)
+                query_start.append(query_start[-1] + len(entry.token_ids))
+            sample_end = len(input_ids)
+            sample_rows += range(sample_end - entry.num_sample_rows, sample_end)
+        nd = num_decode_tokens
         device = self.device
-        prefill_starts = [q - query_start[nd] for q in query_start[nd:]]
         plan = None
         if nd and self.kernel_backend == "torch":
-            plan = kernels.plan_decode(tables[:nd], context_lens[:nd], bs, self.model.config.sliding_window, device)
+            plan = kernels.plan_decode(tables[:nd], context_lens[:nd], bs, self.model.config.sliding_window, device,
+                                       owners=owners if len(owners) > len(set(owners)) else None)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_decode_tokens=nd,
             decode_block_tables=_padded(tables[:nd], device) if plan is None else None,  # else in the plan
             decode_context_lens=torch.tensor(context_lens[:nd], dtype=torch.int32, device=device),
             prefill_block_tables=_padded(tables[nd:], device),
-            prefill_query_start_loc=torch.tensor(prefill_starts, dtype=torch.int32, device=device),
+            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),  # chunk rows
             prefill_context_lens=torch.tensor(context_lens[nd:], dtype=torch.int32, device=device),
             kernel_backend=self.kernel_backend,
             decode_plan=plan,

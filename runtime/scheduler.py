@@ -48,10 +48,15 @@ class ScheduledSequence:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: plain decodes first (one token each, no drafts), then chunks and verifications."""
+    """One step's work: decodes first (one token each, then a verification's drafts), then prompt chunks.
+
+    Every token of the first `num_decodes` entries is a decode query: a verification's k + 1
+    tokens attend as k + 1 decodes of growing context, the same computation a decode without
+    drafts would make at each position (so greedy tokens cannot change with speculation).
+    """
 
     entries: list[ScheduledSequence] = field(default_factory=list)
-    num_decodes: int = 0
+    num_decodes: int = 0  # leading entries computed as decodes
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
 
     @property
@@ -174,7 +179,7 @@ class Scheduler:
                       scheduled: set[str]) -> None:
         start = seq.num_computed_tokens
         caught_up = start + num_new == seq.num_tokens
-        if num_new == 1 and not drafts and batch.num_decodes == len(batch.entries):
+        if num_new == 1 and batch.num_decodes == len(batch.entries):  # a decode, with or without drafts
             batch.num_decodes += 1
         batch.entries.append(ScheduledSequence(
             seq.seq_id, seq.token_ids[start : start + num_new] + drafts, start, self.kv.block_ids(seq),

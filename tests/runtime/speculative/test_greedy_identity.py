@@ -161,15 +161,18 @@ def test_the_page_map_shows_each_running_sequences_drafts(stories_dir, plain, re
 
 
 REWRITE = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
-           "What is the capital of France?")
+           "Why is the sky blue?", "How do I make a cup of tea?")
 
 
-def test_smollm2_q4_gives_the_same_tokens_with_ngram_drafts(smollm2_gguf):
-    """A real chat model (its Q4_1 GGUF, 4-bit weights kept): the rewrite prompt drafts well, the open one barely."""
-    plain = engine(smollm2_gguf, dtype="float32", num_blocks=200)
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_smollm2_q4_gives_the_same_tokens_with_ngram_drafts(smollm2_gguf, dtype):
+    """A real chat model (its Q4_1 GGUF, 4-bit weights kept; auto: bfloat16 where the CPU has it). The
+    open questions reach near-ties (two tokens within 0.01 nats) that a verification computed
+    differently from a decode would flip: each verified row attends as its own decode."""
+    plain = engine(smollm2_gguf, dtype=dtype, num_blocks=200)
     prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in REWRITE]
-    params = SamplingParams(max_tokens=32, temperature=0)
+    params = SamplingParams(max_tokens=72, temperature=0)
     want = tokens(run(plain, prompts, params))
-    spec = engine(smollm2_gguf, {**NGRAM, "num_speculative_tokens": 6}, dtype="float32", num_blocks=200)
+    spec = engine(smollm2_gguf, {**NGRAM, "num_speculative_tokens": 6}, dtype=dtype, num_blocks=200)
     assert tokens(run(spec, prompts, params)) == want
-    assert spec.speculator.stats.num_accepted_tokens >= 5
+    assert spec.speculator.stats.num_accepted_tokens >= 10

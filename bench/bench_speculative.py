@@ -1,0 +1,161 @@
+"""Speculative decoding on SmolLM2 (its Q4_1 GGUF): output tokens per second with and without drafts.
+
+    .venv/bin/python bench/bench_speculative.py [--quick] [--dtypes float32,auto]
+
+One engine without speculation ("off") and one with `ngram` drafts (k = 8, lookup 1..4),
+per dtype (float32, and auto: bfloat16 where the CPU has AVX512-BF16 or AMX), both with the
+4-bit weights kept. Loads, each run off and on alternately (off on, on off, ...), median of
+the repeats; greedy (temperature 0), and the tokens must be identical on both sides:
+
+  rewrite        one stream: "rewrite this text exactly" (the output mostly repeats the input)
+  prediction     the same, the engine without a method, each request given the original text
+                 as OpenAI's `prediction`
+  open_chat      one stream: open questions (little to repeat)
+  streams16/64   16 or 64 concurrent streams, mixed prompts (a quarter rewrite, the rest open)
+  forced_b*      the rewrite load at 1, 4, 16 and 64 streams with every draft verified (the
+                 policy bypassed): where speculation stops paying on this machine
+
+Reported per load: output tok/s off and on, their ratio, acceptance rate (accepted / drafted),
+mean accepted length (1 + accepted per verification, vLLM's), draft tokens per output token.
+Results: bench/results/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from common import log, machine_info, pin_threads, write_result
+
+from runtime import Engine, SamplingParams  # noqa: E402
+from runtime.speculative import speculator  # noqa: E402
+from smollm2 import gguf_file  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+TEXTS = [
+    "The committee met on Tuesday to review the budget. After a long discussion, the members agreed to move funds "
+    "from the travel account to the training account, and asked the treasurer to report back next month with a "
+    "revised plan for the second half of the year.",
+    "Our store will be closed on Monday for inventory. Orders placed over the weekend will ship on Tuesday "
+    "morning. If you need help before then, please write to the support team and we will answer within one day.",
+    "def add_item(cart, item, quantity=1):\n    if quantity <= 0:\n        raise ValueError('quantity must be "
+    "positive')\n    cart[item] = cart.get(item, 0) + quantity\n    return cart\n",
+    "The river rose slowly through the night. By morning the lower fields were under water, and the farmers moved "
+    "their animals to the hill behind the old church, where the ground stays dry even in the worst floods.",
+]
+OPEN = ["What is the capital of France?", "Give me three tips for sleeping better.", "Why is the sky blue?",
+        "Write a short poem about autumn.", "How do I make a cup of tea?", "What are the planets of the solar system?",
+        "Explain what a computer virus is.", "Suggest a name for a pet turtle."]
+
+
+def rewrite_prompt(text: str) -> str:
+    return f"Rewrite the following text exactly as it is, without changing anything:\n\n{text}"
+
+
+def chat(engine: Engine, question: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictions=None) -> dict:
+    """Run the prompts together once; tokens, seconds and the speculator's counters for this run."""
+    stats = engine.speculator.stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(request_id, prompt, params, prediction=predictions[i] if predictions else None)
+    finals = {}
+    while len(finals) < len(ids):
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    seconds = time.perf_counter() - start
+    outputs = [finals[i].outputs[0].token_ids for i in ids]
+    drafts = stats.num_drafts - before[0]
+    draft_tokens = stats.num_draft_tokens - before[1]
+    accepted = stats.num_accepted_tokens - before[2]
+    num_tokens = sum(map(len, outputs))
+    return {"tokens": outputs, "num_tokens": num_tokens, "seconds": seconds, "drafts": drafts,
+            "draft_tokens": draft_tokens, "accepted": accepted}
+
+
+def one_stream(engine: Engine, prompts, max_tokens, predictions=None) -> dict:
+    """Each prompt alone, in turn (one stream); totals."""
+    runs = [measure(engine, [p], max_tokens, [predictions[i]] if predictions else None) for i, p in enumerate(prompts)]
+    total = {k: sum(r[k] for r in runs) for k in ("num_tokens", "seconds", "drafts", "draft_tokens", "accepted")}
+    total["tokens"] = [t for r in runs for t in r["tokens"]]
+    return total
+
+
+def compare(name: str, off, on, repeats: int) -> dict:
+    """Alternate off and on `repeats` times; medians, ratio, acceptance, identity."""
+    rates = {"off": [], "on": []}
+    last = {}
+    for r in range(repeats):
+        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            result = (off if side == "off" else on)()
+            rates[side].append(result["num_tokens"] / result["seconds"])
+            last[side] = result
+    off_rate, on_rate = statistics.median(rates["off"]), statistics.median(rates["on"])
+    spec = last["on"]
+    row = {
+        "load": name, "off_tok_s": round(off_rate, 1), "on_tok_s": round(on_rate, 1),
+        "ratio": round(on_rate / off_rate, 3), "identical": last["off"]["tokens"] == spec["tokens"],
+        "num_output_tokens": spec["num_tokens"], "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"],
+        "acceptance_rate": round(spec["accepted"] / spec["draft_tokens"], 3) if spec["draft_tokens"] else None,
+        "mean_accepted_length": round(1 + spec["accepted"] / spec["drafts"], 2) if spec["drafts"] else None,
+        "draft_tokens_per_output_token": round(spec["draft_tokens"] / spec["num_tokens"], 3),
+        "off_runs": [round(x, 1) for x in rates["off"]], "on_runs": [round(x, 1) for x in rates["on"]],
+    }
+    log(f"  {name}: off {row['off_tok_s']} tok/s, on {row['on_tok_s']} (x{row['ratio']}), acceptance "
+        f"{row['acceptance_rate']}, mean accepted length {row['mean_accepted_length']}, identical {row['identical']}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat, fewer streams")
+    parser.add_argument("--dtypes", default="float32,auto")
+    args = parser.parse_args()
+    pin_threads()
+    repeats = 1 if args.quick else 3
+    path = gguf_file()
+    result = {"machine": machine_info(), "model": path.name, "speculative_config": NGRAM, "repeats": repeats,
+              "dtypes": {}}
+    for dtype in args.dtypes.split(","):
+        log(f"dtype {dtype}: loading the engines")
+        off = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64)
+        on = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64, speculative_config=NGRAM)
+        rewrites = [chat(off, rewrite_prompt(t)) for t in TEXTS]
+        opens = [chat(off, q) for q in OPEN]
+        rows = [
+            compare("rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(on, rewrites, 160), repeats),
+            compare("prediction", lambda: one_stream(off, rewrites, 160),
+                    lambda: one_stream(off, rewrites, 160, predictions=TEXTS), repeats),
+            compare("open_chat", lambda: one_stream(off, opens, 96), lambda: one_stream(on, opens, 96), repeats),
+        ]
+        for streams in ((16,) if args.quick else (16, 64)):
+            mixed = [(rewrites[i % 4] if i % 4 == 0 else opens[i % len(opens)]) for i in range(streams)]
+            rows.append(compare(f"streams{streams}", lambda: measure(off, mixed, 64), lambda: measure(on, mixed, 64),
+                                repeats))
+        policy = speculator.plan_drafts
+        speculator.plan_drafts = lambda acceptance, max_drafts, *rest: list(max_drafts)
+        try:
+            for streams in ((1, 16) if args.quick else (1, 4, 16, 64)):
+                batch = [rewrites[i % 4] for i in range(streams)]
+                rows.append(compare(f"forced_b{streams}", lambda: measure(off, batch, 64), lambda: measure(on, batch, 64),
+                                    repeats))
+        finally:
+            speculator.plan_drafts = policy
+        for row in rows:
+            row.pop("tokens", None)
+        result["dtypes"][dtype] = {"resolved": str(off.dtype).removeprefix("torch."), "loads": rows,
+                                   "cost_model": [round(x * 1e3, 3) for x in on.speculator.cost.coefficients()]}
+        del off, on
+    write_result("speculative", args.quick, result)
+
+
+if __name__ == "__main__":
+    main()

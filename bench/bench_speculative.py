@@ -15,7 +15,8 @@ the repeats; greedy (temperature 0), and the tokens must be identical on both si
   forced_b*      the rewrite load at 1, 4, 16 and 64 streams with every draft verified (the
                  policy bypassed): where speculation stops paying on this machine
 
-Reported per load: output tok/s off and on, their ratio, acceptance rate (accepted / drafted),
+Reported per load: output tok/s off and on (the prompt's prefill included), their ratio, the
+same after each request's first token (decode_*: what a streaming reader feels as TPOT), acceptance rate (accepted / drafted),
 mean accepted length (1 + accepted per verification, vLLM's), draft tokens per output token.
 Results: bench/results/speculative.json.
 """
@@ -67,24 +68,32 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictio
     for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
         engine.add_request(request_id, prompt, params, prediction=predictions[i] if predictions else None)
     finals = {}
+    first_token_at: dict[str, float] = {}
     while len(finals) < len(ids):
         for output in engine.step():
+            if output.request_id not in first_token_at and output.outputs[0].new_token_ids:
+                first_token_at[output.request_id] = time.perf_counter()
             if output.finished:
                 finals[output.request_id] = output
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    seconds = end - start
     outputs = [finals[i].outputs[0].token_ids for i in ids]
     drafts = stats.num_drafts - before[0]
     draft_tokens = stats.num_draft_tokens - before[1]
     accepted = stats.num_accepted_tokens - before[2]
     num_tokens = sum(map(len, outputs))
+    # after the first token: what streaming users feel (TPOT), the prompt's prefill left out
+    decode_seconds = end - max(first_token_at.values())
     return {"tokens": outputs, "num_tokens": num_tokens, "seconds": seconds, "drafts": drafts,
-            "draft_tokens": draft_tokens, "accepted": accepted}
+            "draft_tokens": draft_tokens, "accepted": accepted, "decode_tokens": num_tokens - len(prompts),
+            "decode_seconds": decode_seconds}
 
 
 def one_stream(engine: Engine, prompts, max_tokens, predictions=None) -> dict:
     """Each prompt alone, in turn (one stream); totals."""
     runs = [measure(engine, [p], max_tokens, [predictions[i]] if predictions else None) for i, p in enumerate(prompts)]
-    total = {k: sum(r[k] for r in runs) for k in ("num_tokens", "seconds", "drafts", "draft_tokens", "accepted")}
+    total = {k: sum(r[k] for r in runs) for k in ("num_tokens", "seconds", "drafts", "draft_tokens", "accepted",
+                                                  "decode_tokens", "decode_seconds")}
     total["tokens"] = [t for r in runs for t in r["tokens"]]
     return total
 
@@ -92,24 +101,30 @@ def one_stream(engine: Engine, prompts, max_tokens, predictions=None) -> dict:
 def compare(name: str, off, on, repeats: int) -> dict:
     """Alternate off and on `repeats` times; medians, ratio, acceptance, identity."""
     rates = {"off": [], "on": []}
+    decode_rates = {"off": [], "on": []}
     last = {}
     for r in range(repeats):
         for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
             result = (off if side == "off" else on)()
             rates[side].append(result["num_tokens"] / result["seconds"])
+            decode_rates[side].append(result["decode_tokens"] / result["decode_seconds"])
             last[side] = result
     off_rate, on_rate = statistics.median(rates["off"]), statistics.median(rates["on"])
+    off_decode, on_decode = statistics.median(decode_rates["off"]), statistics.median(decode_rates["on"])
     spec = last["on"]
     row = {
         "load": name, "off_tok_s": round(off_rate, 1), "on_tok_s": round(on_rate, 1),
         "ratio": round(on_rate / off_rate, 3), "identical": last["off"]["tokens"] == spec["tokens"],
+        "decode_off_tok_s": round(off_decode, 1), "decode_on_tok_s": round(on_decode, 1),
+        "decode_ratio": round(on_decode / off_decode, 3),
         "num_output_tokens": spec["num_tokens"], "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"],
         "acceptance_rate": round(spec["accepted"] / spec["draft_tokens"], 3) if spec["draft_tokens"] else None,
         "mean_accepted_length": round(1 + spec["accepted"] / spec["drafts"], 2) if spec["drafts"] else None,
         "draft_tokens_per_output_token": round(spec["draft_tokens"] / spec["num_tokens"], 3),
         "off_runs": [round(x, 1) for x in rates["off"]], "on_runs": [round(x, 1) for x in rates["on"]],
     }
-    log(f"  {name}: off {row['off_tok_s']} tok/s, on {row['on_tok_s']} (x{row['ratio']}), acceptance "
+    log(f"  {name}: off {row['off_tok_s']} tok/s, on {row['on_tok_s']} (x{row['ratio']}; after the first token "
+        f"x{row['decode_ratio']}), acceptance "
         f"{row['acceptance_rate']}, mean accepted length {row['mean_accepted_length']}, identical {row['identical']}")
     return row
 
@@ -130,6 +145,8 @@ def main() -> None:
         on = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64, speculative_config=NGRAM)
         rewrites = [chat(off, rewrite_prompt(t)) for t in TEXTS]
         opens = [chat(off, q) for q in OPEN]
+        for engine in (off, on):  # untimed warm-up: kernels' first calls, oneDNN primitives
+            measure(engine, rewrites[:2] + opens[:2], 16)
         rows = [
             compare("rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(on, rewrites, 160), repeats),
             compare("prediction", lambda: one_stream(off, rewrites, 160),
@@ -141,7 +158,7 @@ def main() -> None:
             rows.append(compare(f"streams{streams}", lambda: measure(off, mixed, 64), lambda: measure(on, mixed, 64),
                                 repeats))
         policy = speculator.plan_drafts
-        speculator.plan_drafts = lambda acceptance, max_drafts, *rest: list(max_drafts)
+        speculator.plan_drafts = lambda gains, *rest: [len(g) for g in gains]
         try:
             for streams in ((1, 16) if args.quick else (1, 4, 16, 64)):
                 batch = [rewrites[i % 4] for i in range(streams)]

@@ -37,6 +37,9 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     prior_acceptance: float = 0.5  # a sequence's acceptance estimate before it has verified drafts
 
     def __post_init__(self) -> None:
+        if self.method in ("suffix", "draft_model"):
+            raise ConfigError(f"speculative method {self.method!r} is not built yet; available: "
+                              f"{', '.join(SPECULATIVE_METHODS)} (and a request's `prediction`)")
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -42,3 +42,19 @@ def test_file_values_stay_strict_even_with_environment_overrides(tmp_path):
     path.write_text('[server]\nport = "8000"\n')
     with pytest.raises(ConfigError, match="port"):
         load_settings(path, environ={"PAGEDSERVE_ENGINE_MAX_NUM_SEQS": "4"})
+
+
+def test_speculative_config_takes_vllms_keys_from_toml_and_names_what_is_wrong(tmp_path):
+    from config import parse_speculative_config
+
+    path = tmp_path / "spec.toml"
+    path.write_text('[engine.speculative_config]\nmethod = "ngram"\nnum_speculative_tokens = 3\nprompt_lookup_max = 2\n')
+    spec = load_settings(path, environ={}).engine.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 1, 2)
+    assert load_settings(environ={}).engine.speculative_config is None
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}').num_speculative_tokens == 4
+    for bad, words in (('{"method": "eagle"}', "eagle"), ('{"method": "suffix"}', "not built yet"),
+                       ('{"num_speculative_tokens": 0}', "num_speculative_tokens"), ('{"lookahead": 2}', "lookahead"),
+                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"), ("{", "")):
+        with pytest.raises(ConfigError, match=words):
+            parse_speculative_config(bad)

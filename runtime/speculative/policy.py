@@ -5,16 +5,18 @@ fixed part; t1: one more token's compute). The engine times its steps and fits b
 (`StepCostModel`, least squares with exponential forgetting, held near a prior until steps of
 different sizes have been seen).
 
-A sequence whose drafts are accepted at rate a gets its j-th draft's token with probability
-a^j (every earlier one must be accepted too). Drafting raises a step's expected output E by
-a^j and its time t by t1, so it pays while a^j / t1 > E / t: the step's tokens per second
-rise. `plan_drafts` hands out draft slots best-first while that holds:
+A sequence gets its j-th draft's token with probability g_j (every earlier draft must be kept
+too). Drafting raises a step's expected output E by g_j and its time t by t1, so it pays while
+g_j / t1 > E / t: the step's tokens per second rise. `plan_drafts` hands out draft slots
+best-first while that holds:
 
     single stream (t1 << t0):   nearly any draft pays, k stays at its cap
-    64 decodes (t1 * T >> t0):  E / t ~ 1 / t1, so a draft needs a^j > ~1: none are made
+    64 decodes (t1 * T >> t0):  E / t ~ 1 / t1, so a draft needs g_j > ~1: none are made
 
-A sequence's acceptance is an exponential average over its verified steps, starting from
-the configured prior, so one whose drafts keep failing stops drafting.
+g_j = a * c_2 * ... * c_j (speculator.py): a, the sequence's own rate of keeping its first
+draft (an average over its verified steps, starting from its draft source's), and c_i, the
+source's rate of keeping draft i once draft i - 1 was kept. Copy-like drafts fail early or
+run long (c_i near 1), which a single rate per token would miss.
 """
 
 from __future__ import annotations
@@ -65,20 +67,20 @@ class StepCostModel:
         return t0, t1
 
 
-def plan_drafts(acceptance: list[float], max_drafts: list[int], num_base_tokens: int, num_emitting: int,
+def plan_drafts(gains: list[list[float]], num_base_tokens: int, num_emitting: int,
                 cost: tuple[float, float]) -> list[int]:
-    """Drafts per candidate sequence: slots best-first (a^j), while each raises expected tokens per second.
+    """Drafts per candidate sequence: slots best-first, while each raises expected tokens per second.
 
-    acceptance[i]: candidate i's acceptance estimate; max_drafts[i]: the most it may verify;
-    num_base_tokens: the step's tokens without drafts; num_emitting: sequences that emit a token
-    this step without drafts; cost: (t0, t1) from StepCostModel.
+    gains[i][j]: the probability that candidate i's draft j + 1 is kept (all before it kept too),
+    non-increasing in j; its length is the most i may verify. num_base_tokens: the step's tokens
+    without drafts; num_emitting: sequences that emit a token this step anyway; cost: (t0, t1)
+    from StepCostModel.
     """
     t0, t1 = cost
     time = t0 + t1 * num_base_tokens
     expected = float(num_emitting)
-    slots = sorted(((math.pow(a, j), i) for i, (a, k) in enumerate(zip(acceptance, max_drafts))
-                    for j in range(1, k + 1)), reverse=True)
-    num_drafts = [0] * len(acceptance)
+    slots = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), reverse=True)
+    num_drafts = [0] * len(gains)
     for gain, i in slots:
         if gain * time <= expected * t1:  # tokens per second would not rise (the rest gain less)
             break

@@ -17,7 +17,8 @@ from runtime.speculative.policy import StepCostModel, plan_drafts
 from runtime.speculative.proposers import NgramProposer, PredictionProposer, Proposer
 
 PREDICTION_MAX_DRAFTS = 8  # k for a request's `prediction` when no method is configured
-ACCEPTANCE_DECAY = 0.7  # weight of a sequence's past acceptance per verified step
+ACCEPTANCE_DECAY = 0.85  # weight of a sequence's past acceptance per verified step (one miss costs ~15%)
+SOURCE_DECAY = 0.95  # the same for a draft source over every sequence: a new sequence's starting estimate
 
 
 @dataclass
@@ -41,19 +42,31 @@ class Speculator:
         self.prediction = PredictionProposer()
         self.max_drafts = config.num_speculative_tokens if config is not None else PREDICTION_MAX_DRAFTS
         prior = config if config is not None else SpeculativeConfig()
-        self.prior_acceptance = prior.prior_acceptance
+        # per draft source ("prediction", or the method), over all sequences: the rate of keeping the first
+        # draft (where a new sequence starts), and per position i > 0 the rate of keeping draft i once
+        # draft i - 1 was kept (exponential averages)
+        num_positions = max(self.max_drafts, PREDICTION_MAX_DRAFTS)
+        self.source_acceptance = {"prediction": prior.prior_acceptance, "method": prior.prior_acceptance}
+        self.source_continuation = {source: [prior.prior_acceptance] * num_positions for source in self.source_acceptance}
         self.cost = StepCostModel(prior.draft_token_cost)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * max(self.max_drafts, PREDICTION_MAX_DRAFTS))
 
     def propose(self, running: list[Sequence], num_prefill_tokens: int, max_model_len: int) -> None:
         """Set `draft_token_ids` on the running sequences (empty where drafting does not pay or finds nothing)."""
-        candidates: list[tuple[Sequence, list[int]]] = []
-        num_decodes = 0
+        decoding = []
         for seq in running:
             seq.draft_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens != 1:
-                continue
-            num_decodes += 1
+            if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
+                decoding.append(seq)
+        num_decodes = len(decoding)
+        if not decoding:
+            return
+        cost = self.cost.coefficients()
+        best = max(max(self._acceptance(seq, True), self._acceptance(seq, False)) for seq in decoding)
+        if not plan_drafts([[best]], num_decodes + num_prefill_tokens, num_decodes, cost)[0]:
+            return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
+        candidates: list[tuple[Sequence, list[int]]] = []
+        for seq in decoding:
             # drafts past max_tokens or the model's length could never be emitted
             k = min(self.max_drafts, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
             if k <= 0:
@@ -66,14 +79,26 @@ class Speculator:
                 candidates.append((seq, drafts))
         if not candidates:
             return
-        acceptance = [self._acceptance(seq) for seq, _ in candidates]
-        counts = plan_drafts(acceptance, [len(d) for _, d in candidates], num_decodes + num_prefill_tokens,
-                             num_decodes, self.cost.coefficients())
+        gains = [self._gains(seq, len(drafts)) for seq, drafts in candidates]
+        counts = plan_drafts(gains, num_decodes + num_prefill_tokens, num_decodes, cost)
         for (seq, drafts), count in zip(candidates, counts):
             seq.draft_token_ids = drafts[:count]
 
-    def _acceptance(self, seq: Sequence) -> float:
-        return self.prior_acceptance if seq.draft_acceptance is None else seq.draft_acceptance
+    def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:
+        """P(draft j kept, and every one before it), j = 1..num_drafts."""
+        gain = self._acceptance(seq, seq.drafts_from_prediction)
+        continuation = self.source_continuation["prediction" if seq.drafts_from_prediction else "method"]
+        gains = [gain]
+        for position in range(1, num_drafts):
+            gain *= continuation[position]
+            gains.append(gain)
+        return gains
+
+    def _acceptance(self, seq: Sequence, from_prediction: bool) -> float:
+        """The sequence's own estimate once it has verified drafts; before that, its draft source's."""
+        if seq.draft_acceptance is not None:
+            return seq.draft_acceptance
+        return self.source_acceptance["prediction" if from_prediction else "method"]
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step's size and wall time, for the cost model."""
@@ -93,11 +118,15 @@ class Speculator:
         seq.num_accepted_draft_tokens += num_accepted
         if seq.drafts_from_prediction:
             seq.request.num_accepted_prediction_tokens += num_accepted
-        # each verified position is a trial until the first rejection: a run of j kept out of k drafts is
-        # j successes in j trials if j == k, else j in j + 1 (accepted / drafted would undercount a)
-        rate = num_accepted / (num_accepted + (num_accepted < num_drafts))
-        previous = self._acceptance(seq)
-        seq.draft_acceptance = ACCEPTANCE_DECAY * previous + (1.0 - ACCEPTANCE_DECAY) * rate
+        first = float(num_accepted > 0)  # the first draft: kept or not
+        source = "prediction" if seq.drafts_from_prediction else "method"
+        previous = self._acceptance(seq, seq.drafts_from_prediction)
+        seq.draft_acceptance = ACCEPTANCE_DECAY * previous + (1.0 - ACCEPTANCE_DECAY) * first
+        self.source_acceptance[source] = SOURCE_DECAY * self.source_acceptance[source] + (1.0 - SOURCE_DECAY) * first
+        continuation = self.source_continuation[source]
+        for position in range(1, min(num_drafts, num_accepted + 1)):  # draft position was reached: kept or not
+            kept = float(position < num_accepted)
+            continuation[position] = SOURCE_DECAY * continuation[position] + (1.0 - SOURCE_DECAY) * kept
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished sequence's proposer state."""

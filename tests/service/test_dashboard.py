@@ -162,7 +162,8 @@ def test_events_show_a_running_request_and_its_page_table(server):
                 break
         else:
             pytest.fail("no running request seen")
-    request_id, index, status, prompt, tokens, computed, max_tokens, table = snapshot["seqs"][0]
+    request_id, index, status, prompt, tokens, computed, max_tokens, table, drafted, accepted = snapshot["seqs"][0]
+    assert drafted == accepted == 0  # no speculation on this server
     assert request_id.startswith("cmpl-") and (index, status, prompt, max_tokens) == (0, "r", num_prompt_tokens, 300)
     assert computed <= tokens and len(table) == -(-computed // BLOCK_SIZE)
     assert all(snapshot["pages"][p] == "u" for p in table)

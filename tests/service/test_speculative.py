@@ -112,3 +112,21 @@ def test_a_malformed_prediction_is_a_400_naming_it(server, prediction):
                                                      "prediction": prediction})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prediction"
+
+
+def test_the_dashboard_payload_carries_each_sequences_drafts(stories_dir):
+    from runtime import Engine, SamplingParams
+    from service.api.dashboard import compact_page_map
+
+    engine = Engine.from_pretrained(stories_dir)
+    prompt = engine.tokenizer.encode(STORY)
+    answer = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0))[0].outputs[0].token_ids
+    engine.add_request("d", prompt, SamplingParams(max_tokens=30, temperature=0), prediction=answer)
+    seq = engine.requests["d"].sequences[0]
+    while seq.num_output_tokens < 8:
+        engine.step()
+    [row] = compact_page_map(engine.page_map(), "stories260K", engine.max_model_len)["seqs"]
+    drafted, accepted = row[8], row[9]
+    assert drafted > 0 and accepted == seq.num_accepted_draft_tokens > 0
+    engine.abort_request("d")
+    engine.step()

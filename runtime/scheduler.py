@@ -10,6 +10,10 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
      prefix (pages scheduled earlier in the same step count: identical prefixes arriving
      together are computed once); none are admitted in a step that had to preempt.
 
+A decode may carry drafts (speculative decoding: seq.draft_token_ids, set before the step):
+they ride in the same entry after its token, count against the budget, and are cut to the
+pages that can be had without preempting; only the sequence's own tokens are ever hashed.
+
 When the pool cannot cover a running sequence's tokens, the newest running sequence not
 yet scheduled this step is preempted: its pages go back, its computed count drops to 0,
 and it waits at the head of the queue to be recomputed (its tokens are kept, so its output

@@ -30,7 +30,6 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     num_speculative_tokens: int = 4  # k: the most drafts one sequence verifies in one step
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up (tried first)
-    model: str | None = None  # draft_model: the draft's checkpoint
     # the step-cost model's prior: one more token in a step costs this fraction of a one-token step,
     # until the engine has timed steps of different sizes (then its own fit of the clock decides)
     draft_token_cost: float = 0.02

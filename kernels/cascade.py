@@ -160,8 +160,10 @@ def plan_decode(
     # pages a row may share: full ones, before the page holding its newest token
     caps = [min(len(t), (n - 1) // block_size) for t, n in zip(tables, context_lens)]
     runs: list[tuple[int, list[int]]] = []  # (shared pages, rows), in sorted order
+    # an owner's rows share one table and are consecutive in the batch, so the sort keeps them together:
+    # a run holds one of them only if its last row does
     for i in sorted(range(num_seqs), key=lambda r: tables[r]):
-        if runs and (owners is None or all(owners[r] != owners[i] for r in runs[-1][1])):
+        if runs and (owners is None or owners[runs[-1][1][-1]] != owners[i]):
             common, rows = runs[-1]
             prev = rows[-1]
             shared = min(_common_prefix(tables[prev], tables[i]), caps[prev], caps[i])

@@ -12,7 +12,6 @@ import itertools
 import time
 from pathlib import Path
 
-import msgspec
 import structlog
 import torch
 from tqdm import tqdm
@@ -101,9 +100,8 @@ class Engine(RequestBuilder):
         enable_prefix_caching, max_model_len, seed, kernel_backend, speculative_config (vLLM's keys,
         as a dict or its JSON).
         """
-        if "speculative_config" in overrides:
-            spec = parse_speculative_config(overrides["speculative_config"])
-            overrides["speculative_config"] = None if spec is None else msgspec.to_builtins(spec)
+        if "speculative_config" in overrides:  # JSON or a dict, checked (and named if wrong) here
+            overrides["speculative_config"] = parse_speculative_config(overrides["speculative_config"])
         settings = load_engine_settings(settings_file, **overrides)
         device = torch.device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
@@ -236,7 +234,7 @@ class Engine(RequestBuilder):
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request that got new tokens or finished."""
         outputs = [self._make_output(request) for request in self._take_ended()]
-        self.speculator.propose(self.scheduler.running, self._num_prefill_tokens(), self.max_model_len)
+        self.speculator.propose(self.scheduler.running, self.scheduler.num_pending_prompt_tokens, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.is_empty:
             started = time.perf_counter()
@@ -248,12 +246,6 @@ class Engine(RequestBuilder):
         if not self.scheduler.has_unfinished():
             self.kv.check_invariants()  # idle: every page must be accounted for
         return outputs
-
-    def _num_prefill_tokens(self) -> int:
-        """Prompt tokens the next step may compute (running chunks, then the queue), within the budget."""
-        pending = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.scheduler.running)
-        pending += sum(s.num_tokens for s in self.scheduler.waiting)
-        return min(pending, self.settings.max_num_batched_tokens)
 
     def _apply(self, batch, logits: torch.Tensor) -> list[RequestOutput]:  # logits: [num_sample_rows, vocab]
         """The step's results: credit the computed tokens, sample or verify, append tokens with their stop checks."""
@@ -282,9 +274,7 @@ class Engine(RequestBuilder):
         each position's distribution is the one the non-speculative sampler would use there. A
         stop (EOS, stop string, max_tokens) inside the run ends it there.
         """
-        greedy_plain = (seq.params.is_greedy and not seq.params.has_penalties and seq.grammar is None
-                        and seq.request.logit_bias is None and seq.params.logprobs is None)
-        targets = rows.argmax(dim=-1).tolist() if greedy_plain else None  # one call for the whole run
+        targets = self.sampler.argmax_rows(rows, seq)  # one call for the whole run where it can be
         num_accepted = 0
         for i, draft in enumerate([*drafts, None]):
             if targets is not None:
@@ -391,7 +381,6 @@ class Engine(RequestBuilder):
             outputs=completions,
             num_cached_tokens=request.num_cached_tokens or 0,
             finished=final,
-            num_prediction_tokens=len(request.prediction_token_ids),
             num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
         )
 

@@ -89,7 +89,7 @@ class ModelRunner:
         plan = None
         if nd and self.kernel_backend == "torch":
             plan = kernels.plan_decode(tables[:nd], context_lens[:nd], bs, self.model.config.sliding_window, device,
-                                       owners=owners if len(owners) > len(set(owners)) else None)
+                                       owners=owners if nd > batch.num_decodes else None)  # a verification
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_decode_tokens=nd,

@@ -49,7 +49,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool
-    num_prediction_tokens: int = 0  # the request's `prediction`, in tokens (0: none given)
     num_accepted_prediction_tokens: int = 0  # of which verification kept (all samples)
 
     @property

@@ -166,6 +166,16 @@ class Sampler:
         return (int(allowed[choice]) if allowed is not None else choice), accepted
 
     @staticmethod
+    def argmax_rows(rows: torch.Tensor, seq: Sequence) -> list[int] | None:  # rows: [k + 1, vocab]
+        """Every row's token at once where nothing in the sequence's state changes a row (greedy, no bias,
+        penalties, grammar or logprobs): its argmax; None where rows must go one at a time (verify_position)."""
+        params = seq.params
+        if (params.is_greedy and not params.has_penalties and seq.grammar is None and seq.request.logit_bias is None
+                and params.logprobs is None):
+            return rows.argmax(dim=-1).tolist()
+        return None
+
+    @staticmethod
     def target_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
         """The distribution a sampled token is drawn from: the (penalised, restricted) row tempered, then filtered."""
         return torch.softmax(filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)

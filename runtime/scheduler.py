@@ -96,6 +96,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_pending_prompt_tokens(self) -> int:
+        """Prompt tokens the next step may compute (running chunks, then the queue), within the budget."""
+        pending = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.running)
+        pending += sum(s.num_tokens for s in self.waiting)
+        return min(pending, self.max_num_batched_tokens)
+
     def schedule(self) -> ScheduledBatch:
         """Pick this step's batch and take the pages it writes (drafts included, where they fit)."""
         batch = ScheduledBatch()
@@ -112,7 +118,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts = self._fit_drafts(seq, num_new, budget)
+            drafts = self._fit_drafts(seq, budget)
             if not self.kv.has_room(seq, num_new + len(drafts)):  # most decodes write inside their last page
                 if drafts and self.kv.can_allocate(seq, num_new + len(drafts)):
                     batch.blocks_to_copy += self.kv.allocate(seq, num_new + len(drafts))
@@ -135,12 +141,12 @@ class Scheduler:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
 
-    def _fit_drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+    def _fit_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts that fit this step: only for a sequence one token from caught up, within the budget."""
         drafts = seq.draft_token_ids
         if not drafts:
             return drafts
-        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+        if seq.num_tokens - seq.num_computed_tokens != 1:
             seq.draft_token_ids = []
             return []
         if len(drafts) > budget - 1:

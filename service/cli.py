@@ -19,16 +19,6 @@ SPECULATIVE_HELP = ("speculative decoding, as vLLM's JSON: "
                     "the output is the same as without it")
 
 
-def _speculative(text: str | None):
-    """--speculative-config's JSON as the settings' dict (ConfigError naming what is wrong)."""
-    import msgspec
-
-    from config import parse_speculative_config
-
-    spec = parse_speculative_config(text)
-    return None if spec is None else msgspec.to_builtins(spec)
-
-
 def _generate(args: argparse.Namespace) -> int:
     from config import ConfigError
     from runtime import Engine, InvalidRequestError, SamplingParams
@@ -67,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace):
     """Settings from --config, the environment and the flags; None (after one line on stderr) if invalid."""
-    from config import ConfigError, load_settings
+    from config import ConfigError, load_settings, parse_speculative_config
 
     server = {"model": args.model, "host": args.host, "served_model_name": args.served_model_name}
     distributed = {"discovery_dir": args.discovery_dir, "namespace": args.namespace}
@@ -84,7 +74,7 @@ def _settings(args: argparse.Namespace):
             "server": server,
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
                        "max_num_seqs": args.max_num_seqs, "quantization": args.quantization,
-                       "speculative_config": _speculative(args.speculative_config)},
+                       "speculative_config": parse_speculative_config(args.speculative_config)},
             "distributed": distributed,
         })
     except ConfigError as exc:

@@ -43,11 +43,13 @@ class NgramProposer:
 class _PredictionCursor:
     """Where one sequence's output stands in its request's predicted tokens."""
 
-    __slots__ = ("position", "num_checked")
+    __slots__ = ("position", "num_checked", "follow")
 
     def __init__(self) -> None:
         self.position: int | None = 0  # the predicted token expected next; None: lost, realign
         self.num_checked = 0  # output tokens compared with the prediction so far
+        # n-gram of the prediction -> the positions right after it, ascending; built on the first realign
+        self.follow: dict[tuple[int, ...], list[int]] | None = None
 
 
 class PredictionProposer:
@@ -72,27 +74,32 @@ class PredictionProposer:
         cursor = self.cursors.get(seq.seq_id)
         if cursor is None:
             cursor = self.cursors[seq.seq_id] = _PredictionCursor()
-        output = seq.output_token_ids
+        tokens, num_output = seq.token_ids, seq.num_output_tokens  # no copy of the output per step
         last_aligned = cursor.position or 0
-        for token_id in output[cursor.num_checked :]:
+        for token_id in tokens[seq.num_prompt_tokens + cursor.num_checked :]:
             if cursor.position is not None and cursor.position < len(predicted) and predicted[cursor.position] == token_id:
                 cursor.position += 1
             else:
                 cursor.position = None
-        cursor.num_checked = len(output)
+        cursor.num_checked = num_output
         if cursor.position is None:
-            cursor.position = self._realign(predicted, output, last_aligned)
+            cursor.position = self._realign(cursor, predicted, tokens, num_output, last_aligned)
         if cursor.position is None:
             return []
         return list(predicted[cursor.position : cursor.position + k])
 
-    def _realign(self, predicted: list[int], output: list[int], after: int) -> int | None:
-        for n in range(min(self.REALIGN_MAX, len(output)), self.REALIGN_MIN - 1, -1):
-            suffix = output[-n:]
-            found = [end for end in range(n, len(predicted) + 1) if predicted[end - n : end] == suffix]
+    def _realign(self, cursor: _PredictionCursor, predicted: list[int], tokens: list[int], num_output: int,
+                 after: int) -> int | None:
+        """Where the output's last n tokens (n = REALIGN_MAX..REALIGN_MIN, all output) occur in the prediction."""
+        if cursor.follow is None:  # once per sequence: realigning then costs a lookup per n, not a scan
+            cursor.follow = {}
+            for n in range(self.REALIGN_MIN, self.REALIGN_MAX + 1):
+                for end in range(n, len(predicted) + 1):
+                    cursor.follow.setdefault(tuple(predicted[end - n : end]), []).append(end)
+        for n in range(min(self.REALIGN_MAX, num_output), self.REALIGN_MIN - 1, -1):
+            found = cursor.follow.get(tuple(tokens[-n:]))
             if found:
-                later = [end for end in found if end >= after]
-                return (later or found)[0]
+                return next((end for end in found if end >= after), found[0])
         return None
 
     def forget(self, seq_id: str) -> None:

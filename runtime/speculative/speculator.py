@@ -9,6 +9,7 @@ ran and reports back through `record`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.request import Sequence, SequenceStatus
@@ -45,14 +46,17 @@ class Speculator:
         # per draft source ("prediction", or the method), over all sequences: the rate of keeping the first
         # draft (where a new sequence starts), and per position i > 0 the rate of keeping draft i once
         # draft i - 1 was kept (exponential averages)
-        num_positions = max(self.max_drafts, PREDICTION_MAX_DRAFTS)
         self.source_acceptance = {"prediction": prior.prior_acceptance, "method": prior.prior_acceptance}
-        self.source_continuation = {source: [prior.prior_acceptance] * num_positions for source in self.source_acceptance}
+        self.source_continuation = {source: [prior.prior_acceptance] * self.max_drafts
+                                    for source in self.source_acceptance}
         self.cost = StepCostModel(prior.draft_token_cost)
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * max(self.max_drafts, PREDICTION_MAX_DRAFTS))
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_drafts)
 
-    def propose(self, running: list[Sequence], num_prefill_tokens: int, max_model_len: int) -> None:
-        """Set `draft_token_ids` on the running sequences (empty where drafting does not pay or finds nothing)."""
+    def propose(self, running: list[Sequence], num_prefill_tokens: Callable[[], int], max_model_len: int) -> None:
+        """Set `draft_token_ids` on the running sequences (empty where drafting does not pay or finds nothing).
+
+        `num_prefill_tokens()`: prompt tokens the step will also compute (asked only when drafting may happen).
+        """
         if self.method is None and not any(seq.request.prediction_token_ids for seq in running):
             return  # nothing could draft (a verification clears its drafts, so none are left over)
         decoding = []
@@ -63,9 +67,10 @@ class Speculator:
         num_decodes = len(decoding)
         if not decoding:
             return
+        num_base_tokens = num_decodes + num_prefill_tokens()
         cost = self.cost.coefficients()
         best = max(max(self._acceptance(seq, True), self._acceptance(seq, False)) for seq in decoding)
-        if not plan_drafts([[best]], num_decodes + num_prefill_tokens, num_decodes, cost)[0]:
+        if not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
             return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
         candidates: list[tuple[Sequence, list[int]]] = []
         for seq in decoding:
@@ -82,7 +87,7 @@ class Speculator:
         if not candidates:
             return
         gains = [self._gains(seq, len(drafts)) for seq, drafts in candidates]
-        counts = plan_drafts(gains, num_decodes + num_prefill_tokens, num_decodes, cost)
+        counts = plan_drafts(gains, num_base_tokens, num_decodes, cost)
         for (seq, drafts), count in zip(candidates, counts):
             seq.draft_token_ids = drafts[:count]
 

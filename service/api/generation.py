@@ -50,13 +50,13 @@ class Generation:
         cache_salt = state.tenants.cache_salt(tenant.tenant_id, body.cache_salt)
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
         self.requests: list[Request] = []  # validated here, once; the engine queues them as they are
-        prediction = body.prediction_text()
+        self.prediction = body.prediction_text()  # Predicted Outputs' text, or None
         for request_id, token_ids in zip(ids, prompts):
             params = body.sampling_params(len(token_ids), state.engine.max_model_len, constraint)
             shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix, body.prompt_cache_key)
             self.requests.append(state.engine.prepare_request(request_id, token_ids, params, cache_salt, shared,
                                                               prompt_param=body.prompt_param, grammar=grammar,
-                                                              prediction=prediction))
+                                                              prediction=self.prediction))
         self.wakeup = asyncio.Event()
         self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
         for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes
@@ -127,7 +127,7 @@ class Generation:
             sum(s.num_output_tokens for s in self.streams),
             sum(s.num_cached_tokens for s in self.streams),
         )
-        if self.body.prediction_text() is not None:  # Predicted Outputs: how much of the prediction was kept
+        if self.prediction is not None:  # Predicted Outputs: how much of the prediction was kept
             predicted = sum(len(r.prediction_token_ids) * r.params.n for r in self.requests)
             accepted = sum(s.num_accepted_prediction_tokens for s in self.streams)
             usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,

@@ -154,3 +154,14 @@ def test_native_plan_starts_each_row_past_its_shared_prefix_and_window():
     assert [plan.private_pages(i) for i in range(3)] == [[1], [2], [5, 6]]
     with pytest.raises(ValueError):
         plan.private_pages(3)
+
+
+def test_rows_of_one_owner_never_share_a_group_but_may_join_another_owners():
+    # a verification: rows 0-2 are one sequence's k + 1 queries (one table, growing context); row 3 another
+    # sequence over the same prefix pages
+    table = [7, 8, 9, 1]
+    tables, lens = [table, table, table, [7, 8, 9, 2]], [50, 51, 52, 60]
+    assert [g.rows for g in cascade.plan_decode(tables, lens, 16, native=False).groups] == [[0, 1, 2, 3]]
+    plan = cascade.plan_decode(tables, lens, 16, native=False, owners=[0, 0, 0, 1])
+    assert [g.rows for g in plan.groups] == [[2, 3]]  # the last of owner 0's rows pairs with owner 1's row
+    assert cascade.plan_decode(tables[:3], lens[:3], 16, native=False, owners=[0, 0, 0]).groups == []

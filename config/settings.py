@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 # the proposer names config, CLI and docs all read; "prediction" needs none (a request's own field)
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -30,13 +30,18 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     num_speculative_tokens: int = 4  # k: the most drafts one sequence verifies in one step
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up (tried first)
+    # suffix: past answers per cache scope (vLLM's keys and defaults, but for the request bound)
+    suffix_decoding_max_tree_depth: int = 24  # the longest substring counted: match plus drafts
+    suffix_decoding_max_cached_requests: int = 1000  # answers kept over all scopes (0: only the own prompt)
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts <= this × the match length
+    suffix_decoding_min_token_prob: float = 0.1  # stop drafting where the path's frequency falls below this
     # the step-cost model's prior: one more token in a step costs this fraction of a one-token step,
     # until the engine has timed steps of different sizes (then its own fit of the clock decides)
     draft_token_cost: float = 0.02
     prior_acceptance: float = 0.5  # a sequence's acceptance estimate before it has verified drafts
 
     def __post_init__(self) -> None:
-        if self.method in ("suffix", "draft_model"):
+        if self.method == "draft_model":
             raise ConfigError(f"speculative method {self.method!r} is not built yet; available: "
                               f"{', '.join(SPECULATIVE_METHODS)} (and a request's `prediction`)")
         if self.method not in SPECULATIVE_METHODS:
@@ -46,6 +51,16 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if not self.num_speculative_tokens < self.suffix_decoding_max_tree_depth <= 64:
+            raise ConfigError("suffix_decoding_max_tree_depth must be in (num_speculative_tokens, 64], got "
+                              f"{self.suffix_decoding_max_tree_depth}")
+        if not 0 <= self.suffix_decoding_max_cached_requests <= 1_000_000:
+            raise ConfigError("suffix_decoding_max_cached_requests must be in [0, 1000000], got "
+                              f"{self.suffix_decoding_max_cached_requests}")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ConfigError(f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor}")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ConfigError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}")
         if not self.draft_token_cost >= 0:
             raise ConfigError(f"draft_token_cost must be >= 0, got {self.draft_token_cost}")
         if not 0 < self.prior_acceptance < 1:

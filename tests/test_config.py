@@ -53,7 +53,10 @@ def test_speculative_config_takes_vllms_keys_from_toml_and_names_what_is_wrong(t
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 1, 2)
     assert load_settings(environ={}).engine.speculative_config is None
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}').num_speculative_tokens == 4
-    for bad, words in (('{"method": "eagle"}', "eagle"), ('{"method": "suffix"}', "not built yet"),
+    suffix = parse_speculative_config('{"method": "suffix", "suffix_decoding_max_cached_requests": 50}')
+    assert (suffix.suffix_decoding_max_cached_requests, suffix.suffix_decoding_max_tree_depth) == (50, 24)
+    for bad, words in (('{"method": "eagle"}', "eagle"), ('{"method": "draft_model"}', "not built yet"),
+                       ('{"method": "suffix", "suffix_decoding_max_tree_depth": 4}', "suffix_decoding_max_tree_depth"),
                        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"), ('{"lookahead": 2}', "lookahead"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"), ("{", "")):
         with pytest.raises(ConfigError, match=words):

@@ -1,7 +1,8 @@
 """Proposers: something cheap that drafts the next tokens of a running sequence.
 
 One small protocol: `propose(seq, k)` returns up to k draft tokens for the sequence as it is now
-(prompt + outputs so far), and `forget(seq_id)` drops what it kept for a sequence that ended.
+(prompt + outputs so far), and `forget(seq)` drops what it kept for a sequence that ended (a
+proposer that learns from answers keeps the finished one there).
 Every proposer here is deterministic (its q is one-hot), so verification accepts a draft with
 the target's own probability of it.
 """
@@ -12,6 +13,7 @@ from typing import Protocol
 
 from runtime.request import Sequence
 from runtime.speculative.ngram import NgramIndex
+from runtime.speculative.suffix import SuffixCache
 
 
 class Proposer(Protocol):
@@ -19,7 +21,7 @@ class Proposer(Protocol):
 
     def propose(self, seq: Sequence, k: int) -> list[int]: ...
 
-    def forget(self, seq_id: str) -> None: ...
+    def forget(self, seq: Sequence) -> None: ...
 
 
 class NgramProposer:
@@ -36,8 +38,55 @@ class NgramProposer:
             index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
         return index.propose(seq.token_ids, k)
 
-    def forget(self, seq_id: str) -> None:
-        self.indexes.pop(seq_id, None)
+    def forget(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)
+
+
+class SuffixProposer:
+    """Suffix decoding (vLLM's "suffix"): the sequence's own prompt and output, and its scope's past answers.
+
+    Two sources, as Arctic Inference has them: the sequence itself (prompt lookup over its prompt
+    and output, as `NgramProposer`), and the past answers of requests in the same cache scope
+    (`SuffixCache`, which counts how often each continuation followed). The longer match wins;
+    on a tie, the past answers (their counts back the draft). A finished answer joins its scope's
+    record when its sequence is forgotten.
+    """
+
+    def __init__(self, n_min: int, n_max: int, max_depth: int, max_cached_requests: int,
+                 max_spec_factor: float, min_token_prob: float, max_drafts: int) -> None:
+        self.own = NgramProposer(n_min, n_max)
+        self.n_max = n_max
+        self.cache = SuffixCache(max_depth, max_cached_requests)
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.max_match = max(1, max_depth - max_drafts)  # a match leaves room in the trie for k drafts
+        # the prompt's last tokens kept before an answer: a question asked again matches from its start
+        self.prompt_tail = self.max_match
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        own = self.own.propose(seq, k)
+        trie = self.cache.trie(seq.request.cache_salt)
+        if trie is None:
+            return own
+        past, match = trie.propose(seq.token_ids, k, self.max_match, self.max_spec_factor, self.min_token_prob)
+        own_match = self._own_match_length(seq) if own else 0
+        return past if past and match >= own_match else own
+
+    def _own_match_length(self, seq: Sequence) -> int:
+        """How long a suffix prompt lookup matched (its index answers the longest first)."""
+        index = self.own.indexes[seq.seq_id]
+        tokens = seq.token_ids
+        for n in range(min(self.n_max, len(tokens)), 0, -1):
+            if tuple(tokens[len(tokens) - n :]) in index.follow:
+                return n
+        return 0
+
+    def forget(self, seq: Sequence) -> None:
+        self.own.forget(seq)
+        request = seq.request
+        if seq.finish_reason in ("stop", "length") and request.pin_id is None and seq.num_output_tokens:
+            start = max(0, seq.num_prompt_tokens - self.prompt_tail)
+            self.cache.add(request.cache_salt, seq.token_ids[start:])
 
 
 class _PredictionCursor:
@@ -102,5 +151,5 @@ class PredictionProposer:
                 return next((end for end in found if end >= after), found[0])
         return None
 
-    def forget(self, seq_id: str) -> None:
-        self.cursors.pop(seq_id, None)
+    def forget(self, seq: Sequence) -> None:
+        self.cursors.pop(seq.seq_id, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from runtime.request import Sequence, SequenceStatus
 from config import SpeculativeConfig
 from runtime.speculative.policy import StepCostModel, plan_drafts
-from runtime.speculative.proposers import NgramProposer, PredictionProposer, Proposer
+from runtime.speculative.proposers import NgramProposer, PredictionProposer, Proposer, SuffixProposer
 
 PREDICTION_MAX_DRAFTS = 8  # k for a request's `prediction` when no method is configured
 ACCEPTANCE_DECAY = 0.85  # weight of a sequence's past acceptance per verified step (one miss costs ~15%)
@@ -40,6 +40,11 @@ class Speculator:
         self.method: Proposer | None = None
         if config is not None and config.method == "ngram":
             self.method = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config is not None and config.method == "suffix":
+            self.method = SuffixProposer(
+                config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob, config.num_speculative_tokens)
         self.prediction = PredictionProposer()
         self.max_drafts = config.num_speculative_tokens if config is not None else PREDICTION_MAX_DRAFTS
         prior = config if config is not None else SpeculativeConfig()
@@ -137,6 +142,6 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished sequence's proposer state."""
-        self.prediction.forget(seq.seq_id)
+        self.prediction.forget(seq)
         if self.method is not None:
-            self.method.forget(seq.seq_id)
+            self.method.forget(seq)

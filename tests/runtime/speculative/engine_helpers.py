@@ -24,7 +24,7 @@ class ScriptProposer:
         drafts = script[seq.num_output_tokens : seq.num_output_tokens + k]
         return [(t + 1) % self.vocab for t in drafts] if self.wrong else drafts
 
-    def forget(self, seq_id: str) -> None:
+    def forget(self, seq: Sequence) -> None:
         pass
 
 
@@ -38,7 +38,7 @@ class RandomProposer:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return [self.random.choice(self.tokens) for _ in range(k)]
 
-    def forget(self, seq_id: str) -> None:
+    def forget(self, seq: Sequence) -> None:
         pass
 
 
@@ -58,7 +58,7 @@ class GreedyModelProposer:
                                       min_new_tokens=k, pad_token_id=0)
         return out[0, seq.num_tokens :].tolist()
 
-    def forget(self, seq_id: str) -> None:
+    def forget(self, seq: Sequence) -> None:
         pass
 
 

@@ -32,7 +32,7 @@ def test_ngram_proposer_keeps_one_index_per_sequence_and_forgets_it():
     proposer = NgramProposer(1, 4)
     a, b = make_seq("a", [1, 2, 3, 1, 2]), make_seq("b", [7, 8, 7])
     assert proposer.propose(a, 2) == [3, 1] and proposer.propose(b, 1) == [8]
-    proposer.forget("a")
+    proposer.forget(a)
     assert set(proposer.indexes) == {"b"}
 
 

@@ -1,9 +1,9 @@
 """Speculative decoding on SmolLM2 (its Q4_1 GGUF): output tokens per second with and without drafts.
 
-    .venv/bin/python bench/bench_speculative.py [--quick] [--dtypes float32,auto]
+    .venv/bin/python bench/bench_speculative.py [--quick] [--dtypes float32,auto] [--loads rewrite,...]
 
-One engine without speculation ("off") and one with `ngram` drafts (k = 8, lookup 1..4),
-per dtype (float32, and auto: bfloat16 where the CPU has AVX512-BF16 or AMX), both with the
+One engine without speculation ("off"), one with `ngram` drafts (k = 8, lookup 1..4) and one
+with `suffix` drafts (k = 8; vLLM's other suffix defaults), per dtype (float32, and auto: bfloat16 where the CPU has AVX512-BF16 or AMX), both with the
 4-bit weights kept. Loads, each run off and on alternately (off on, on off, ...), median of
 the repeats; greedy (temperature 0), and the tokens must be identical on both sides:
 
@@ -12,6 +12,13 @@ the repeats; greedy (temperature 0), and the tokens must be identical on both si
                  as OpenAI's `prediction`
   open_chat      one stream: open questions (little to repeat)
   streams16/64   16 or 64 concurrent streams, mixed prompts (a quarter rewrite, the rest open)
+  suffix_*       the same loads with `suffix` drafts. Each run of a suffix load (off and on) is a
+                 new tenant (cache salt), so no run drafts from another run's answers, and no
+                 prompt is a prefix-cache hit from an earlier run (the loads above repeat the
+                 same prompts unsalted, so their later runs hit the cache on both sides), except:
+  repeated_questions  one stream; the tenant asked the open questions before (untimed), and
+                 asks them again: `suffix` drafts from its own past answers
+  questions_twice     one stream, each open question asked twice by a new tenant, both timed
   forced_b*      the rewrite load at 1, 4, 16 and 64 streams with every draft verified (the
                  policy bypassed): where speculation stops paying on this machine
 
@@ -24,16 +31,18 @@ Results: bench/results/speculative.json.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
-from common import log, machine_info, pin_threads, write_result
+from common import log, machine_info, pin_threads, result_path, write_result
 
 from runtime import Engine, SamplingParams  # noqa: E402
 from runtime.speculative import speculator  # noqa: E402
 from smollm2 import gguf_file  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 TEXTS = [
     "The committee met on Tuesday to review the budget. After a long discussion, the members agreed to move funds "
     "from the travel account to the training account, and asked the treasurer to report back next month with a "
@@ -58,15 +67,24 @@ def chat(engine: Engine, question: str) -> list[int]:
     return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
 
 
-def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictions=None) -> dict:
-    """Run the prompts together once; tokens, seconds and the speculator's counters for this run."""
+_tenants = iter(range(10**9))
+
+
+def new_tenant() -> str:
+    """A cache salt no run has used: what `suffix` remembers of one run never drafts for another."""
+    return f"tenant-{next(_tenants)}"
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictions=None, salt=None) -> dict:
+    """Run the prompts together once (as tenant `salt`; None: unsalted); tokens, seconds, the speculator's counters."""
     stats = engine.speculator.stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
-        engine.add_request(request_id, prompt, params, prediction=predictions[i] if predictions else None)
+        engine.add_request(request_id, prompt, params, prediction=predictions[i] if predictions else None,
+                           cache_salt=salt)
     finals = {}
     first_token_at: dict[str, float] = {}
     while len(finals) < len(ids):
@@ -89,9 +107,14 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictio
             "decode_seconds": decode_seconds}
 
 
-def one_stream(engine: Engine, prompts, max_tokens, predictions=None) -> dict:
-    """Each prompt alone, in turn (one stream); totals."""
-    runs = [measure(engine, [p], max_tokens, [predictions[i]] if predictions else None) for i, p in enumerate(prompts)]
+def one_stream(engine: Engine, prompts, max_tokens, predictions=None, salt=None, asked_before=False) -> dict:
+    """Each prompt alone, in turn (one stream), all as one tenant; totals. `asked_before`: the tenant asked
+    them all once already (untimed)."""
+    if asked_before:
+        for p in prompts:
+            measure(engine, [p], max_tokens, salt=salt)
+    runs = [measure(engine, [p], max_tokens, [predictions[i]] if predictions else None, salt)
+            for i, p in enumerate(prompts)]
     total = {k: sum(r[k] for r in runs) for k in ("num_tokens", "seconds", "drafts", "draft_tokens", "accepted",
                                                   "decode_tokens", "decode_seconds")}
     total["tokens"] = [t for r in runs for t in r["tokens"]]
@@ -133,45 +156,82 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer streams")
     parser.add_argument("--dtypes", default="float32,auto")
+    parser.add_argument("--loads", default="", help="only these loads (comma-separated); their rows replace "
+                        "the same loads' rows in the results file, the others are kept")
     args = parser.parse_args()
+    wanted = set(filter(None, args.loads.split(",")))
     pin_threads()
     repeats = 1 if args.quick else 3
     path = gguf_file()
-    result = {"machine": machine_info(), "model": path.name, "speculative_config": NGRAM, "repeats": repeats,
+    result = {"machine": machine_info(), "model": path.name, "speculative_config": {"ngram": NGRAM, "suffix": SUFFIX},
+              "repeats": repeats,
               "dtypes": {}}
     for dtype in args.dtypes.split(","):
         log(f"dtype {dtype}: loading the engines")
         off = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64)
         on = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64, speculative_config=NGRAM)
+        suffix = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64,
+                                        speculative_config=SUFFIX)
         rewrites = [chat(off, rewrite_prompt(t)) for t in TEXTS]
         opens = [chat(off, q) for q in OPEN]
-        for engine in (off, on):  # untimed warm-up: kernels' first calls, oneDNN primitives
+        for engine in (off, on, suffix):  # untimed warm-up: kernels' first calls, oneDNN primitives
             measure(engine, rewrites[:2] + opens[:2], 16)
-        rows = [
-            compare("rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(on, rewrites, 160), repeats),
-            compare("prediction", lambda: one_stream(off, rewrites, 160),
-                    lambda: one_stream(off, rewrites, 160, predictions=TEXTS), repeats),
-            compare("open_chat", lambda: one_stream(off, opens, 96), lambda: one_stream(on, opens, 96), repeats),
-        ]
+        rows = []
+
+        def load(name, off_run, on_run):
+            if not wanted or name in wanted:
+                rows.append(compare(name, off_run, on_run, repeats))
+
+        load("rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(on, rewrites, 160))
+        load("prediction", lambda: one_stream(off, rewrites, 160),
+             lambda: one_stream(off, rewrites, 160, predictions=TEXTS))
+        load("open_chat", lambda: one_stream(off, opens, 96), lambda: one_stream(on, opens, 96))
+        def alone(engine, prompts, max_tokens, **kw):  # one stream, a new tenant
+            return lambda: one_stream(engine, prompts, max_tokens, salt=new_tenant(), **kw)
+
+        load("suffix_rewrite", alone(off, rewrites, 160), alone(suffix, rewrites, 160))
+        load("suffix_open_chat", alone(off, opens, 96), alone(suffix, opens, 96))
+        load("repeated_questions", alone(off, opens, 96, asked_before=True), alone(suffix, opens, 96, asked_before=True))
+        twice = [q for q in opens for _ in range(2)]
+        load("questions_twice", alone(off, twice, 96), alone(suffix, twice, 96))
         for streams in ((16,) if args.quick else (16, 64)):
             mixed = [(rewrites[i % 4] if i % 4 == 0 else opens[i % len(opens)]) for i in range(streams)]
-            rows.append(compare(f"streams{streams}", lambda: measure(off, mixed, 64), lambda: measure(on, mixed, 64),
-                                repeats))
+            load(f"streams{streams}", lambda: measure(off, mixed, 64), lambda: measure(on, mixed, 64))
+            load(f"suffix_streams{streams}", lambda: measure(off, mixed, 64, salt=new_tenant()),
+                 lambda: measure(suffix, mixed, 64, salt=new_tenant()))
         policy = speculator.plan_drafts
         speculator.plan_drafts = lambda gains, *rest: [len(g) for g in gains]
         try:
             for streams in ((1, 16) if args.quick else (1, 4, 16, 64)):
                 batch = [rewrites[i % 4] for i in range(streams)]
-                rows.append(compare(f"forced_b{streams}", lambda: measure(off, batch, 64), lambda: measure(on, batch, 64),
-                                    repeats))
+                load(f"forced_b{streams}", lambda: measure(off, batch, 64), lambda: measure(on, batch, 64))
         finally:
             speculator.plan_drafts = policy
         for row in rows:
             row.pop("tokens", None)
         result["dtypes"][dtype] = {"resolved": str(off.dtype).removeprefix("torch."), "loads": rows,
                                    "cost_model": [round(x * 1e3, 3) for x in on.speculator.cost.coefficients()]}
-        del off, on
+        del off, on, suffix
+    if wanted:
+        result = merged(result_path("speculative", args.quick), result)
     write_result("speculative", args.quick, result)
+
+
+def merged(path, result: dict) -> dict:
+    """The results file with this run's loads put in (replacing rows of the same load, in the file's order)."""
+    if not path.exists():
+        return result
+    old = json.loads(path.read_text())
+    for dtype, fresh in result["dtypes"].items():
+        entry = old["dtypes"].setdefault(dtype, {"resolved": fresh["resolved"], "loads": [], "cost_model": None})
+        names = [row["load"] for row in entry["loads"]]
+        for row in fresh["loads"]:
+            if row["load"] in names:
+                entry["loads"][names.index(row["load"])] = row
+            else:
+                entry["loads"].append(row)
+    old["machine"], old["speculative_config"] = result["machine"], result["speculative_config"]
+    return old
 
 
 if __name__ == "__main__":

@@ -88,8 +88,9 @@ class Sequence:
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and index == 0 else None
         # speculation: this step's drafts (never in token_ids until verified), and how its drafts fared
         self.draft_token_ids: list[int] = []
-        self.drafts_from_prediction = False
-        self.draft_acceptance: float | None = None  # per-position acceptance estimate; None: none verified yet
+        self.draft_source = ""  # where this step's drafts came from (a Proposer's source)
+        # per draft source: [first-draft acceptance estimate, verified steps behind it]; absent: none yet
+        self.draft_acceptance: dict[str, list] = {}
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
 

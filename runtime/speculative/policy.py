@@ -8,7 +8,9 @@ different sizes have been seen).
 A sequence gets its j-th draft's token with probability g_j (every earlier draft must be kept
 too). Drafting raises a step's expected output E by g_j and its time t by t1, so it pays while
 g_j / t1 > E / t: the step's tokens per second rise. `plan_drafts` hands out draft slots
-best-first while that holds:
+best-first while that holds by a margin (g_j / t1 > DRAFT_MARGIN * E / t): a draft that only
+breaks even by the estimates is a loss once they are a little off, and costs outside the
+timed step (proposing, the bookkeeping) are not in t1:
 
     single stream (t1 << t0):   nearly any draft pays, k stays at its cap
     64 decodes (t1 * T >> t0):  E / t ~ 1 / t1, so a draft needs g_j > ~1: none are made
@@ -21,7 +23,7 @@ run long (c_i near 1), which a single rate per token would miss.
 
 from __future__ import annotations
 
-import math
+DRAFT_MARGIN = 1.5  # a draft must be expected to give this many times what its compute costs
 
 
 class StepCostModel:
@@ -82,7 +84,7 @@ def plan_drafts(gains: list[list[float]], num_base_tokens: int, num_emitting: in
     slots = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), reverse=True)
     num_drafts = [0] * len(gains)
     for gain, i in slots:
-        if gain * time <= expected * t1:  # tokens per second would not rise (the rest gain less)
+        if gain * time <= DRAFT_MARGIN * expected * t1:  # tokens per second would not rise enough (nor for the rest)
             break
         num_drafts[i] += 1
         expected += gain

@@ -17,7 +17,14 @@ from runtime.speculative.suffix import SuffixCache
 
 
 class Proposer(Protocol):
-    """Drafts for one sequence at a time; state per sequence id, dropped by forget."""
+    """Drafts for one sequence at a time; state per sequence id, dropped by forget.
+
+    `source` names where the last `propose` drafted from, one of `sources`: the engine keeps
+    acceptance per source.
+    """
+
+    sources: tuple[str, ...]
+    source: str
 
     def propose(self, seq: Sequence, k: int) -> list[int]: ...
 
@@ -26,6 +33,9 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): the latest earlier occurrence of the longest matching suffix."""
+
+    sources = ("prompt_lookup",)
+    source = "prompt_lookup"
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
@@ -47,10 +57,14 @@ class SuffixProposer:
 
     Two sources, as Arctic Inference has them: the sequence itself (prompt lookup over its prompt
     and output, as `NgramProposer`), and the past answers of requests in the same cache scope
-    (`SuffixCache`, which counts how often each continuation followed). The longer match wins;
-    on a tie, the past answers (their counts back the draft). A finished answer joins its scope's
-    record when its sequence is forgotten.
+    (`SuffixCache`, which counts how often each continuation followed). The past answers draft
+    only on a match longer than the sequence's own and at least MIN_PAST_MATCH tokens: one
+    common token says little about where another answer went. A finished answer joins its
+    scope's record when its sequence is forgotten.
     """
+
+    sources = ("prompt_lookup", "past_answers")
+    MIN_PAST_MATCH = 2
 
     def __init__(self, n_min: int, n_max: int, max_depth: int, max_cached_requests: int,
                  max_spec_factor: float, min_token_prob: float, max_drafts: int) -> None:
@@ -62,15 +76,21 @@ class SuffixProposer:
         self.max_match = max(1, max_depth - max_drafts)  # a match leaves room in the trie for k drafts
         # the prompt's last tokens kept before an answer: a question asked again matches from its start
         self.prompt_tail = self.max_match
+        self.source = "prompt_lookup"
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         own = self.own.propose(seq, k)
+        self.source = "prompt_lookup"
         trie = self.cache.trie(seq.request.cache_salt)
         if trie is None:
             return own
-        past, match = trie.propose(seq.token_ids, k, self.max_match, self.max_spec_factor, self.min_token_prob)
         own_match = self._own_match_length(seq) if own else 0
-        return past if past and match >= own_match else own
+        past, match = trie.propose(seq.token_ids, k, self.max_match, self.max_spec_factor, self.min_token_prob,
+                                   min_match=max(self.MIN_PAST_MATCH, own_match + 1))
+        if past:
+            self.source = "past_answers"
+            return past
+        return own
 
     def _own_match_length(self, seq: Sequence) -> int:
         """How long a suffix prompt lookup matched (its index answers the longest first)."""
@@ -112,6 +132,8 @@ class PredictionProposer:
 
     REALIGN_MIN = 2
     REALIGN_MAX = 4
+    sources = ("prediction",)
+    source = "prediction"
 
     def __init__(self) -> None:
         self.cursors: dict[str, _PredictionCursor] = {}

@@ -22,6 +22,13 @@ ACCEPTANCE_DECAY = 0.85  # weight of a sequence's past acceptance per verified s
 SOURCE_DECAY = 0.95  # the same for a draft source over every sequence: a new sequence's starting estimate
 
 
+def _averaged(estimate: float, observed: float, num_observed: int, decay: float) -> float:
+    """An exponential average that starts as a plain mean: the estimate before any observation (a
+    prior) weighs as one observation, so the first few observations move it fast, later ones by 1 - decay."""
+    weight = max(1.0 - decay, 1.0 / (num_observed + 2))
+    return (1.0 - weight) * estimate + weight * observed
+
+
 @dataclass
 class SpecDecodeStats:
     """Totals since start, under vLLM's metric names' meanings."""
@@ -47,14 +54,14 @@ class Speculator:
                 config.suffix_decoding_min_token_prob, config.num_speculative_tokens)
         self.prediction = PredictionProposer()
         self.max_drafts = config.num_speculative_tokens if config is not None else PREDICTION_MAX_DRAFTS
-        prior = config if config is not None else SpeculativeConfig()
-        # per draft source ("prediction", or the method), over all sequences: the rate of keeping the first
+        self.prior = (config if config is not None else SpeculativeConfig()).prior_acceptance
+        # per draft source (a Proposer's `source`), over all sequences: the rate of keeping the first
         # draft (where a new sequence starts), and per position i > 0 the rate of keeping draft i once
-        # draft i - 1 was kept (exponential averages)
-        self.source_acceptance = {"prediction": prior.prior_acceptance, "method": prior.prior_acceptance}
-        self.source_continuation = {source: [prior.prior_acceptance] * self.max_drafts
-                                    for source in self.source_acceptance}
-        self.cost = StepCostModel(prior.draft_token_cost)
+        # draft i - 1 was kept (exponential averages); a source starts at the prior
+        self.source_acceptance: dict[str, float] = {}
+        self.source_continuation: dict[str, list[float]] = {}
+        self.source_counts: dict[str, list[int]] = {}  # observations behind each of those rates
+        self.cost = StepCostModel((config if config is not None else SpeculativeConfig()).draft_token_cost)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_drafts)
 
     def propose(self, running: list[Sequence], num_prefill_tokens: Callable[[], int], max_model_len: int) -> None:
@@ -74,7 +81,9 @@ class Speculator:
             return
         num_base_tokens = num_decodes + num_prefill_tokens()
         cost = self.cost.coefficients()
-        best = max(max(self._acceptance(seq, True), self._acceptance(seq, False)) for seq in decoding)
+        sources = (self.method.sources if self.method is not None else ())
+        best = max(self._best_of(seq, sources + (self.prediction.sources if seq.request.prediction_token_ids else ()))
+                   for seq in decoding)
         if not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
             return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
         candidates: list[tuple[Sequence, list[int]]] = []
@@ -84,9 +93,10 @@ class Speculator:
             if k <= 0:
                 continue
             drafts = self.prediction.propose(seq, k) if seq.request.prediction_token_ids else []
-            seq.drafts_from_prediction = bool(drafts)
+            seq.draft_source = self.prediction.source
             if not drafts and self.method is not None:
                 drafts = self.method.propose(seq, k)
+                seq.draft_source = self.method.source
             if drafts:
                 candidates.append((seq, drafts))
         if not candidates:
@@ -98,19 +108,29 @@ class Speculator:
 
     def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:
         """P(draft j kept, and every one before it), j = 1..num_drafts."""
-        gain = self._acceptance(seq, seq.drafts_from_prediction)
-        continuation = self.source_continuation["prediction" if seq.drafts_from_prediction else "method"]
+        gain = self._acceptance(seq)
+        continuation = self._continuation(seq.draft_source)
         gains = [gain]
         for position in range(1, num_drafts):
             gain *= continuation[position]
             gains.append(gain)
         return gains
 
-    def _acceptance(self, seq: Sequence, from_prediction: bool) -> float:
-        """The sequence's own estimate once it has verified drafts; before that, its draft source's."""
-        if seq.draft_acceptance is not None:
-            return seq.draft_acceptance
-        return self.source_acceptance["prediction" if from_prediction else "method"]
+    def _acceptance(self, seq: Sequence, source: str | None = None) -> float:
+        """The sequence's own estimate for a source once it has verified drafts from it; before that, the source's."""
+        source = seq.draft_source if source is None else source
+        own = seq.draft_acceptance.get(source)
+        return own[0] if own is not None else self.source_acceptance.get(source, self.prior)
+
+    def _best_of(self, seq: Sequence, sources: tuple[str, ...]) -> float:
+        """The best first-draft rate `seq` may get from these sources (one never verified counts at the prior)."""
+        return max((self._acceptance(seq, source) for source in sources), default=0.0)
+
+    def _continuation(self, source: str) -> list[float]:
+        continuation = self.source_continuation.get(source)
+        if continuation is None:
+            continuation = self.source_continuation[source] = [self.prior] * self.max_drafts
+        return continuation
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step's size and wall time, for the cost model."""
@@ -128,17 +148,22 @@ class Speculator:
             stats.accepted_per_position[position] += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_draft_tokens += num_accepted
-        if seq.drafts_from_prediction:
+        source = seq.draft_source
+        if source == self.prediction.source:
             seq.request.num_accepted_prediction_tokens += num_accepted
         first = float(num_accepted > 0)  # the first draft: kept or not
-        source = "prediction" if seq.drafts_from_prediction else "method"
-        previous = self._acceptance(seq, seq.drafts_from_prediction)
-        seq.draft_acceptance = ACCEPTANCE_DECAY * previous + (1.0 - ACCEPTANCE_DECAY) * first
-        self.source_acceptance[source] = SOURCE_DECAY * self.source_acceptance[source] + (1.0 - SOURCE_DECAY) * first
-        continuation = self.source_continuation[source]
+        own = seq.draft_acceptance.setdefault(source, [self._acceptance(seq), 0])
+        own[0] = _averaged(own[0], first, own[1], ACCEPTANCE_DECAY)
+        own[1] += 1
+        counts = self.source_counts.setdefault(source, [0] * self.max_drafts)
+        rate = self.source_acceptance.get(source, self.prior)
+        self.source_acceptance[source] = _averaged(rate, first, counts[0], SOURCE_DECAY)
+        counts[0] += 1
+        continuation = self._continuation(source)
         for position in range(1, min(num_drafts, num_accepted + 1)):  # draft position was reached: kept or not
             kept = float(position < num_accepted)
-            continuation[position] = SOURCE_DECAY * continuation[position] + (1.0 - SOURCE_DECAY) * kept
+            continuation[position] = _averaged(continuation[position], kept, counts[position], SOURCE_DECAY)
+            counts[position] += 1
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished sequence's proposer state."""

@@ -87,13 +87,13 @@ class SuffixTrie:
         return size
 
     def propose(self, context: list[int], k: int, max_match: int, max_spec_factor: float,
-                min_token_prob: float) -> tuple[list[int], int]:
-        """(drafts, match length): continue the longest suffix of `context` (<= max_match) seen here.
+                min_token_prob: float, min_match: int = 1) -> tuple[list[int], int]:
+        """(drafts, match length): continue the longest suffix of `context` (min_match..max_match) seen here.
 
         A suffix whose node has no likely-enough continuation gives way to the next shorter one.
         """
         length = len(context)
-        for match in range(min(max_match, length, self.max_depth - 1), 0, -1):
+        for match in range(min(max_match, length, self.max_depth - 1), min_match - 1, -1):
             node = self.root
             for token in context[length - match :]:
                 node = node.children.get(token) if node.children else None

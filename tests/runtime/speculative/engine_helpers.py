@@ -14,6 +14,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 class ScriptProposer:
     """Drafts from a known continuation per prompt (the oracle), optionally each token made wrong."""
 
+    sources = ("script",)
+    source = "script"
+
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: bool = False, vocab: int = 0) -> None:
         self.continuations = continuations
         self.wrong = wrong
@@ -31,6 +34,9 @@ class ScriptProposer:
 class RandomProposer:
     """Drafts uniform random tokens from its own generator (a one-hot q given that generator: still exact)."""
 
+    sources = ("random",)
+    source = "random"
+
     def __init__(self, tokens: list[int], seed: int = 0) -> None:
         self.tokens = tokens
         self.random = random.Random(seed)
@@ -44,6 +50,9 @@ class RandomProposer:
 
 class GreedyModelProposer:
     """Drafts the greedy continuation of a transformers model (a deterministic draft model, for tests)."""
+
+    sources = ("greedymodel",)
+    source = "greedymodel"
 
     def __init__(self, model_dir) -> None:
         import torch

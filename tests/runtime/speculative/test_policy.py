@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.speculative.policy import StepCostModel, plan_drafts
+from runtime.speculative.policy import DRAFT_MARGIN, StepCostModel, plan_drafts
 
 
 def _geometric(a: float, k: int) -> list[float]:
@@ -22,9 +22,16 @@ def test_a_compute_bound_batch_drafts_nothing():
 
 
 def test_drafts_go_to_the_sequences_that_accept_them():
-    counts = plan_drafts([_geometric(a, 4) for a in (0.95, 0.1, 0.5)], num_base_tokens=3, num_emitting=3,
+    counts = plan_drafts([_geometric(a, 4) for a in (0.95, 0.1, 0.7)], num_base_tokens=3, num_emitting=3,
                          cost=(0.010, 0.001))
     assert counts[0] == 4 and counts[1] == 0 and 0 < counts[2] < 4
+
+
+def test_a_draft_that_only_breaks_even_by_the_estimates_is_not_made():
+    # one stream, t1 / t0 = 10%: a draft kept 11% of the time adds 0.11 tokens for 1 ms on an 11 ms step
+    cost = (0.010, 0.001)
+    assert plan_drafts([[0.11]], 1, 1, cost) == [0]
+    assert plan_drafts([[0.11 * DRAFT_MARGIN * 1.05]], 1, 1, cost) == [1]
 
 
 def test_a_run_that_fails_early_or_not_at_all_drafts_long():

@@ -16,8 +16,11 @@ the repeats; greedy (temperature 0), and the tokens must be identical on both si
                  new tenant (cache salt), so no run drafts from another run's answers, and no
                  prompt is a prefix-cache hit from an earlier run (the loads above repeat the
                  same prompts unsalted, so their later runs hit the cache on both sides), except:
-  repeated_questions  one stream; the tenant asked the open questions before (untimed), and
-                 asks them again: `suffix` drafts from its own past answers
+  repeated_questions  one stream; the tenant asked the open questions twice before (untimed), and
+                 asks them again: `suffix` drafts from its own past answers (the steady state: a
+                 prompt asked again is a prefix-cache hit, as it was the time before)
+  repeated_once  the same, asked once before: that first answer was computed without a prefix
+                 hit, and where a hit's numerics flip a near-tie, the answer now differs
   questions_twice     one stream, each open question asked twice by a new tenant, both timed
   forced_b*      the rewrite load at 1, 4, 16 and 64 streams with every draft verified (the
                  policy bypassed): where speculation stops paying on this machine
@@ -107,10 +110,10 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, predictio
             "decode_seconds": decode_seconds}
 
 
-def one_stream(engine: Engine, prompts, max_tokens, predictions=None, salt=None, asked_before=False) -> dict:
-    """Each prompt alone, in turn (one stream), all as one tenant; totals. `asked_before`: the tenant asked
-    them all once already (untimed)."""
-    if asked_before:
+def one_stream(engine: Engine, prompts, max_tokens, predictions=None, salt=None, asked_before=0) -> dict:
+    """Each prompt alone, in turn (one stream), all as one tenant; totals. `asked_before`: times the tenant
+    asked them all already (untimed)."""
+    for _ in range(asked_before):
         for p in prompts:
             measure(engine, [p], max_tokens, salt=salt)
     runs = [measure(engine, [p], max_tokens, [predictions[i]] if predictions else None, salt)
@@ -191,7 +194,8 @@ def main() -> None:
 
         load("suffix_rewrite", alone(off, rewrites, 160), alone(suffix, rewrites, 160))
         load("suffix_open_chat", alone(off, opens, 96), alone(suffix, opens, 96))
-        load("repeated_questions", alone(off, opens, 96, asked_before=True), alone(suffix, opens, 96, asked_before=True))
+        load("repeated_questions", alone(off, opens, 96, asked_before=2), alone(suffix, opens, 96, asked_before=2))
+        load("repeated_once", alone(off, opens, 96, asked_before=1), alone(suffix, opens, 96, asked_before=1))
         twice = [q for q in opens for _ in range(2)]
         load("questions_twice", alone(off, twice, 96), alone(suffix, twice, 96))
         for streams in ((16,) if args.quick else (16, 64)):

@@ -58,9 +58,9 @@ class IncrementalDetokenizer:
         twin.token_ends = list(self.token_ends)
         return twin
 
-    def append(self, token_id: int) -> str | None:
-        """Add one token; return the stop string it completed, if any."""
-        stop = self._append(token_id)
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token; return the stop string it completed, if any (none looked for without `check_stop`)."""
+        stop = self._append(token_id, check_stop)
         self.token_ends.append(len(self.text))
         return stop
 
@@ -68,7 +68,7 @@ class IncrementalDetokenizer:
         """An output token that adds no text (a stop token id, EOS): it still gets its (empty) place."""
         self.token_ends.append(len(self.text))
 
-    def _append(self, token_id: int) -> str | None:
+    def _append(self, token_id: int, check_stop: bool = True) -> str | None:
         if self.tokenizer is None:
             return None
         self.context_ids.append(token_id)
@@ -84,12 +84,14 @@ class IncrementalDetokenizer:
             self.context_ids = self.context_ids[drop:]
             self.prefix_offset -= drop
             self.read_offset -= drop
-        return self._append_text(delta)
+        return self._append_text(delta, check_stop)
 
-    def _append_text(self, delta: str) -> str | None:
+    def _append_text(self, delta: str, check_stop: bool = True) -> str | None:
         """Append; if a stop string now appears, cut at the earliest one and return it."""
         search_from = max(0, len(self.text) - self.hold_back)
         self.text += delta
+        if not check_stop:
+            return None
         found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
         if not found:
             return None

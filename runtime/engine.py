@@ -317,7 +317,8 @@ class Engine(RequestBuilder):
             reason = "stop"
             seq.detokenizer.append_silent()
         else:
-            stop_string = seq.detokenizer.append(token_id)
+            # min_tokens: no stop string ends the output before it (EOS and stop ids are not sampled there)
+            stop_string = seq.detokenizer.append(token_id, check_stop=seq.num_output_tokens > params.min_tokens)
             if stop_string is not None:
                 reason, stop_reason = "stop", stop_string
         grammar = seq.grammar

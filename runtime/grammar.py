@@ -53,6 +53,10 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
         return self._matcher.consume_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar would accept (the state is not changed)."""
+        return self._matcher.validate_tokens(token_ids)
+
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete and nothing may follow (or it accepted a stop token)."""

@@ -38,6 +38,7 @@ class Request:
         pin_id: str | None = None,
         grammar=None,
         prediction_token_ids: list[int] | None = None,
+        min_tokens_held_back: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -50,6 +51,9 @@ class Request:
         bias = params.logit_bias
         # params.logit_bias as (token ids int64 [k], biases float32 [k]): made once, added every step
         self.logit_bias = (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()))) if bias else None
+        # int64 [m] ascending: the token ids that cannot be sampled before params.min_tokens outputs; None: none
+        self.min_tokens_held_back = torch.tensor(min_tokens_held_back, dtype=torch.long) if min_tokens_held_back \
+            else None
         self.prediction_token_ids = prediction_token_ids or []  # OpenAI's `prediction`, tokenized: drafts
         self.num_accepted_prediction_tokens = 0  # predicted tokens kept by verification (all samples)
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling

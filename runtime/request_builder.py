@@ -93,10 +93,14 @@ class RequestBuilder:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in predicted):
             raise InvalidRequestError(f"prediction token ids must be integers in [0, {vocab_size})", param="prediction")
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        held_back = None  # what min_tokens keeps from being sampled early: stop token ids, and EOS unless ignored
+        if params.min_tokens:
+            held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))
+            held_back = sorted(t for t in held_back if 0 <= t < vocab_size)
         return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
                        num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id,
                        grammar=grammar if params.structured_outputs is not None else None,
-                       prediction_token_ids=predicted)
+                       prediction_token_ids=predicted, min_tokens_held_back=held_back)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""

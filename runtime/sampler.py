@@ -1,6 +1,7 @@
 """Pick each sequence's next token from its logits row.
 
-Order per row: logprobs of the raw distribution (when asked) -> logit_bias -> penalties ->
+Order per row: logprobs of the raw distribution (when asked) -> logit_bias -> min_tokens (EOS
+and stop ids out until then; from a grammar's allowed ids only where others remain) -> penalties ->
 the grammar's allowed tokens (constrained rows only: the rest of the row is dropped) ->
 greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. The draw for a seeded sequence uses
 only that sequence's own generator (one draw per token), so its output does not depend
@@ -83,6 +84,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def held_back(seq: Sequence) -> torch.Tensor | None:  # int64 [m]
+    """The token ids min_tokens keeps from `seq`'s next token (EOS, stop ids), or None when nothing is held."""
+    held = seq.request.min_tokens_held_back
+    return held if held is not None and seq.num_output_tokens < seq.params.min_tokens else None
+
+
 class Sampler:
     """Turns a step's logits rows into one token (and optional logprobs) per sequence."""
 
@@ -97,10 +104,13 @@ class Sampler:
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
         biased = [(i, seq.request.logit_bias) for i, seq in enumerate(seqs) if seq.request.logit_bias is not None]
-        if biased:
+        held = [(i, ids) for i, seq in enumerate(seqs) if (ids := held_back(seq)) is not None and seq.grammar is None]
+        if biased or held:
             logits = logits.clone()  # the caller's rows (the runner's inference tensor) stay as they came
         for i, (token_ids, biases) in biased:
             logits[i, token_ids] += biases
+        for i, token_ids in held:
+            logits[i, token_ids] = float("-inf")
         allowed = self._allowed_ids(logits.shape[1], seqs)  # row -> the ids its grammar allows
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             token_ids = logits.argmax(dim=-1).tolist()
@@ -128,7 +138,15 @@ class Sampler:
             self._bitmask = torch.empty(max(len(rows), self._bitmask.shape[0]), words, dtype=torch.int32)
         fill_bitmasks([seqs[i].grammar for i in rows], self._bitmask)
         ids = allowed_token_ids(self._bitmask[: len(rows)], vocab_size)
-        return {i: row_ids for i, row_ids in zip(rows, ids) if row_ids.numel()}
+        allowed = {}
+        for i, row_ids in zip(rows, ids):
+            held = held_back(seqs[i])
+            if held is not None:  # min_tokens: not yet EOS or a stop id, unless the grammar allows nothing else
+                kept = row_ids[~torch.isin(row_ids, held)]
+                row_ids = kept if kept.numel() else row_ids
+            if row_ids.numel():
+                allowed[i] = row_ids
+        return allowed
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None = None) -> int:
         """One token for one sequence; with `allowed` (a grammar's ids) only among those."""
@@ -171,7 +189,7 @@ class Sampler:
         penalties, grammar or logprobs): its argmax; None where rows must go one at a time (verify_position)."""
         params = seq.params
         if (params.is_greedy and not params.has_penalties and seq.grammar is None and seq.request.logit_bias is None
-                and params.logprobs is None):
+                and params.logprobs is None and seq.num_output_tokens >= params.min_tokens):
             return rows.argmax(dim=-1).tolist()
         return None
 
@@ -192,10 +210,13 @@ class Sampler:
         row = row.float().cpu()
         params = seq.params
         logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
-        bias = seq.request.logit_bias
-        if bias is not None:
+        bias, held = seq.request.logit_bias, held_back(seq)
+        if bias is not None or (held is not None and seq.grammar is None):
             row = row.clone()
+        if bias is not None:
             row[bias[0]] += bias[1]
+        if held is not None and seq.grammar is None:
+            row[held] = float("-inf")
         allowed = self._allowed_ids(row.shape[0], [seq]).get(0)
         token_id, accepted = self._pick(row, seq, allowed, draft)
         token_logprobs = self._logprobs(logprobs, token_id, params.logprobs) if logprobs is not None else None

@@ -21,6 +21,7 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int = 16  # 0: nothing is generated; the request ends at once with finish_reason "length"
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, nor stop strings match, before this many
     temperature: float = 1.0
     top_p: float = 1.0  # 0 keeps only the most probable token (as OpenAI's API accepts it)
     top_k: int = 0  # 0 or -1: off
@@ -53,6 +54,8 @@ class SamplingParams:
             bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not 0.0 <= self.top_p <= 1.0:

@@ -2,7 +2,8 @@
 
 Before each step, `propose` gives every running sequence that is one token from caught up
 its drafts (`seq.draft_token_ids`): from the request's `prediction` when it has one, else
-from the configured method, cut to what the policy says pays (policy.plan_drafts). The
+from the configured method, cut at the first token the sequence's grammar refuses, then to
+what the policy says pays (policy.plan_drafts). The
 scheduler may cut them further (token budget, pages, max_tokens); the engine verifies what
 ran and reports back through `record`.
 """
@@ -97,6 +98,8 @@ class Speculator:
             if not drafts and self.method is not None:
                 drafts = self.method.propose(seq, k)
                 seq.draft_source = self.method.source
+            if drafts and seq.grammar is not None:  # cut at the first draft the grammar refuses (it could not be kept)
+                drafts = drafts[: seq.grammar.num_valid(drafts)]
             if drafts:
                 candidates.append((seq, drafts))
         if not candidates:

@@ -5,7 +5,7 @@ OpenAI's own spec makes: `null` in an optional field means its default, and a wh
 sent as a float (`"seed": 7.0`) is that integer (`7.5` is still a 400). Every official field
 has an answer (service/api/openai_fields.py: supported, accepted and ignored, or a 400 naming
 it). vLLM's extra fields are accepted: sampling (top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, include_stop_str_in_output) and structured outputs (structured_outputs,
+stop_token_ids, include_stop_str_in_output, min_tokens) and structured outputs (structured_outputs,
 guided_json, guided_regex, guided_choice, guided_grammar).
 """
 
@@ -174,6 +174,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    min_tokens: int | None = None
     # prefix caching: a client salt splits the tenant's cache further; a prompt_cache_key
     # that an operator marked as shared selects that shared prefix
     cache_salt: str | None = None
@@ -277,7 +278,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "logprobs": self.requested_logprobs(), "logit_bias": self.token_logit_bias(),
-            "structured_outputs": constraint,
+            "structured_outputs": constraint, "min_tokens": self.min_tokens,
         }
         return SamplingParams(
             n=self.samples_per_prompt, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),

@@ -63,3 +63,42 @@ def test_streamed_text_never_shows_a_stop_string_prefix(engine, case):
 def test_the_earliest_of_several_stop_strings_wins(engine, case):
     out = _run(engine, case, stop=["girl", "there"])  # "there" comes first in the text
     assert out.text == ", " and out.stop_reason == "there"
+
+
+def test_min_tokens_holds_a_stop_id_back_as_transformers_min_new_tokens_does(engine, stories_dir, case):
+    """transformers masks its eos_token_id before min_new_tokens: given one of the story's common
+    tokens as that id, and the same id as our stop token, both must keep and then end alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = case["greedy_30_new_ids"]
+    stop_id = ids[3]  # an early output token
+    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
+    prompt = engine.tokenizer.encode(case["prompt"])
+    for min_tokens in (0, 8, 15):
+        out = engine.generate([prompt], SamplingParams(max_tokens=40, min_tokens=min_tokens, temperature=0,
+                                                       ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), do_sample=False, min_new_tokens=min_tokens,
+                                  max_new_tokens=40, eos_token_id=stop_id, pad_token_id=stop_id)[0, len(prompt):]
+        want = want.tolist()
+        want = want[: want.index(stop_id) + 1] if stop_id in want else want
+        assert out.token_ids == want and stop_id not in out.token_ids[:min_tokens]
+        assert len(out.token_ids) > min_tokens
+
+
+def test_min_tokens_holds_stop_strings_back_until_then(engine, case):
+    ids = case["greedy_30_new_ids"]
+    text = _run(engine, case).text
+    stop = text[1:9]  # ends within the first few tokens
+    assert _run(engine, case, stop=[stop]).finish_reason == "stop"
+    held = _run(engine, case, stop=[stop], min_tokens=12)
+    assert held.finish_reason == "length" and held.token_ids == ids  # found only before min_tokens: never ends it
+
+
+def test_min_tokens_past_max_tokens_is_refused():
+    from runtime.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="min_tokens") as info:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert info.value.param == "min_tokens"

@@ -113,3 +113,37 @@ def run(engine: Engine, prompts: list, params: SamplingParams | list[SamplingPar
 
 def tokens(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+class GrammarWalkProposer:
+    """Drafts tokens the sequence's grammar allows, chosen at random (its own generator): never cut by the
+    grammar, kept or rejected by the target's draw (for constrained sequences only)."""
+
+    sources = ("grammar_walk",)
+    source = "grammar_walk"
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.random = random.Random(seed)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        import torch
+
+        from kernels.token_mask import allowed_token_ids
+
+        matcher = seq.grammar.copy()
+        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
+        drafts: list[int] = []
+        while len(drafts) < k and not matcher.is_stopped:
+            matcher.fill_bitmask(bitmask, 0)
+            allowed = allowed_token_ids(bitmask, self.vocab_size)[0].tolist()
+            if not allowed:
+                break
+            token = self.random.choice(allowed)
+            if not matcher.accept(token):
+                break
+            drafts.append(token)
+        return drafts
+
+    def forget(self, seq: Sequence) -> None:
+        pass

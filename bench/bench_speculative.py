@@ -139,7 +139,7 @@ def compare(name: str, off, on, repeats: int) -> dict:
     off_decode, on_decode = statistics.median(decode_rates["off"]), statistics.median(decode_rates["on"])
     spec = last["on"]
     row = {
-        "load": name, "off_tok_s": round(off_rate, 1), "on_tok_s": round(on_rate, 1),
+        "load": name, "repeats": repeats, "off_tok_s": round(off_rate, 1), "on_tok_s": round(on_rate, 1),
         "ratio": round(on_rate / off_rate, 3), "identical": last["off"]["tokens"] == spec["tokens"],
         "decode_off_tok_s": round(off_decode, 1), "decode_on_tok_s": round(on_decode, 1),
         "decode_ratio": round(on_decode / off_decode, 3),
@@ -159,12 +159,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer streams")
     parser.add_argument("--dtypes", default="float32,auto")
+    parser.add_argument("--repeats", type=int, default=0, help="alternated repeats per load (default 3; quick 1)")
     parser.add_argument("--loads", default="", help="only these loads (comma-separated); their rows replace "
                         "the same loads' rows in the results file, the others are kept")
     args = parser.parse_args()
     wanted = set(filter(None, args.loads.split(",")))
     pin_threads()
-    repeats = 1 if args.quick else 3
+    repeats = args.repeats or (1 if args.quick else 3)
     path = gguf_file()
     result = {"machine": machine_info(), "model": path.name, "speculative_config": {"ngram": NGRAM, "suffix": SUFFIX},
               "repeats": repeats,

@@ -29,7 +29,7 @@ def _result(server, path, body) -> tuple[list[dict], dict]:
 COMPLETION_NULLS = ["n", "stream", "echo", "temperature", "top_p", "stop", "logprobs", "presence_penalty",
                     "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos",
                     "stop_token_ids", "include_stop_str_in_output", "cache_salt", "prompt_cache_key",
-                    "stream_options"]
+                    "stream_options", "min_tokens"]
 CHAT_NULLS = [f for f in COMPLETION_NULLS if f != "echo"] + ["top_logprobs", "max_completion_tokens"]
 
 
@@ -111,6 +111,8 @@ def test_whole_float_is_that_integer(server, path, base, field, whole, integer):
     ("/v1/chat/completions", CHAT | {"logprobs": True}, "top_logprobs", 1.5, "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"max_tokens": None}, "max_completion_tokens", "5", "max_completion_tokens"),
     ("/v1/chat/completions", CHAT, "logprobs", 1.0, "logprobs"),
+    ("/v1/completions", COMPLETE, "min_tokens", 9, "min_tokens"),  # past max_tokens (8)
+    ("/v1/chat/completions", CHAT, "min_tokens", -1, "min_tokens"),
 ])
 def test_non_whole_float_or_string_is_a_400_naming_the_field(server, path, base, field, value, param):
     response = post(server, path, base | {field: value})
@@ -170,3 +172,14 @@ def test_max_tokens_zero_with_n_2_gives_two_empty_choices(stories_dir):
         assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
             (0, "", "length"), (1, "", "length")]
         assert body["usage"]["completion_tokens"] == 0
+
+
+def test_min_tokens_holds_the_stop_back(server):
+    """A stop string the greedy text has early ends the output there, unless min_tokens holds it back."""
+    body = COMPLETE | GREEDY | {"max_tokens": 20, "ignore_eos": True}
+    text = json_body(server, "/v1/completions", body)["choices"][0]["text"]
+    stop = text[1:7]
+    early = json_body(server, "/v1/completions", body | {"stop": [stop]})["choices"][0]
+    held = json_body(server, "/v1/completions", body | {"stop": [stop], "min_tokens": 12})["choices"][0]
+    assert early["finish_reason"] == "stop" and len(early["text"]) < 2
+    assert held["text"].startswith(text[:7]) and held["finish_reason"] in ("length", "stop")

@@ -34,7 +34,7 @@ FIELDS = {
     "logprobs": dict(temperature=0.8, logprobs=3),
     "min_tokens": dict(temperature=1.0, min_tokens=30),  # EOS held back (p = 0) for the first 30 positions
     # no byte forced anywhere: where llguidance 1.9 forces one (" " after "Lily" in "(Lily|Tom) (ran|saw)"), its mask
-    # on this sentencepiece vocabulary allows tokens its consume then refuses (see BENCHMARKS/README: known issue)
+    # on this sentencepiece vocabulary allows tokens its consume then refuses (README: the known llguidance issue)
     "grammar": dict(temperature=1.0, structured_outputs=StructuredOutputs(
         regex=r"(Lily|Tom)( and (Lily|Tom)| ran| saw| a| the| big| tree| park)*\.")),
 }

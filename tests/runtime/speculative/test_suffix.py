@@ -34,11 +34,11 @@ def test_removing_a_record_takes_back_exactly_its_counts():
     assert trie.num_nodes > nodes_one
     assert trie.propose([1, 2], 1, 3, 1.0, 0.0)[0] in ([3], [5])
     trie.remove([1, 2, 5, 6, 7])
-    assert trie.num_nodes == nodes_one and trie.root.count == 3
+    assert trie.num_nodes == nodes_one and trie.root_count == 3
     assert trie.propose([1, 2], 1, 3, 1.0, 0.0) == ([3], 2)
     assert trie.propose([5, 6], 1, 3, 1.0, 0.0) == ([], 0)
     trie.remove([1, 2, 3])
-    assert trie.num_nodes == 0 and not trie.root.children
+    assert trie.num_nodes == 0 and trie.root_count == 0 and not trie._child
 
 
 def test_the_cache_is_bounded_oldest_record_out_and_scopes_are_apart():

@@ -103,14 +103,7 @@ class Sampler:
         logits = logits.float().cpu()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # [num_seqs, vocab]
-        biased = [(i, seq.request.logit_bias) for i, seq in enumerate(seqs) if seq.request.logit_bias is not None]
-        held = [(i, ids) for i, seq in enumerate(seqs) if (ids := held_back(seq)) is not None and seq.grammar is None]
-        if biased or held:
-            logits = logits.clone()  # the caller's rows (the runner's inference tensor) stay as they came
-        for i, (token_ids, biases) in biased:
-            logits[i, token_ids] += biases
-        for i, token_ids in held:
-            logits[i, token_ids] = float("-inf")
+        logits = self._adjusted(logits, seqs)
         allowed = self._allowed_ids(logits.shape[1], seqs)  # row -> the ids its grammar allows
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             token_ids = logits.argmax(dim=-1).tolist()
@@ -123,6 +116,20 @@ class Sampler:
             for i, seq in enumerate(seqs)
         ]
         return token_ids, token_logprobs
+
+    @staticmethod
+    def _adjusted(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:  # [rows, vocab]
+        """logit_bias added, and min_tokens' held-back ids (EOS, stop ids) set to -inf in rows without a
+        grammar (a grammar row drops them from its allowed ids instead); a copy only where a row changes."""
+        biased = [(i, seq.request.logit_bias) for i, seq in enumerate(seqs) if seq.request.logit_bias is not None]
+        held = [(i, ids) for i, seq in enumerate(seqs) if (ids := held_back(seq)) is not None and seq.grammar is None]
+        if biased or held:
+            logits = logits.clone()  # the caller's rows (the runner's inference tensor) stay as they came
+        for i, (token_ids, biases) in biased:
+            logits[i, token_ids] += biases
+        for i, token_ids in held:
+            logits[i, token_ids] = float("-inf")
+        return logits
 
     def _allowed_ids(self, vocab_size: int, seqs: SequenceOf[Sequence]) -> dict[int, torch.Tensor]:
         """The constrained rows' grammars fill their bitmask rows (together); the allowed ids of each (int64, ascending).
@@ -210,13 +217,7 @@ class Sampler:
         row = row.float().cpu()
         params = seq.params
         logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
-        bias, held = seq.request.logit_bias, held_back(seq)
-        if bias is not None or (held is not None and seq.grammar is None):
-            row = row.clone()
-        if bias is not None:
-            row[bias[0]] += bias[1]
-        if held is not None and seq.grammar is None:
-            row[held] = float("-inf")
+        row = self._adjusted(row[None], [seq])[0]
         allowed = self._allowed_ids(row.shape[0], [seq]).get(0)
         token_id, accepted = self._pick(row, seq, allowed, draft)
         token_logprobs = self._logprobs(logprobs, token_id, params.logprobs) if logprobs is not None else None

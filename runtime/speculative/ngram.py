@@ -33,6 +33,10 @@ class NgramIndex:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `tokens` seen earlier ([] if none)."""
+        return self.propose_matched(tokens, k)[0]
+
+    def propose_matched(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(drafts, the matched suffix's length n); ([], 0) if no suffix was seen before."""
         self.update(tokens)
         length = len(tokens)
         for n in range(min(self.n_max, length), self.n_min - 1, -1):
@@ -43,5 +47,5 @@ class NgramIndex:
             for j in range(k):
                 at = start + j
                 drafts.append(tokens[at] if at < length else drafts[at - length])
-            return drafts
-        return []
+            return drafts, n
+        return [], 0

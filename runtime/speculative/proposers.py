@@ -43,10 +43,14 @@ class NgramProposer:
         self.indexes: dict[str, NgramIndex] = {}
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
+        return self.propose_matched(seq, k)[0]
+
+    def propose_matched(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """(drafts, the length of the suffix that matched; 0 with no drafts)."""
         index = self.indexes.get(seq.seq_id)
         if index is None:
             index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
-        return index.propose(seq.token_ids, k)
+        return index.propose_matched(seq.token_ids, k)
 
     def forget(self, seq: Sequence) -> None:
         self.indexes.pop(seq.seq_id, None)
@@ -69,7 +73,6 @@ class SuffixProposer:
     def __init__(self, n_min: int, n_max: int, max_depth: int, max_cached_requests: int,
                  max_spec_factor: float, min_token_prob: float, max_drafts: int) -> None:
         self.own = NgramProposer(n_min, n_max)
-        self.n_max = n_max
         self.cache = SuffixCache(max_depth, max_cached_requests)
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -79,27 +82,17 @@ class SuffixProposer:
         self.source = "prompt_lookup"
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        own = self.own.propose(seq, k)
+        own, own_match = self.own.propose_matched(seq, k)
         self.source = "prompt_lookup"
         trie = self.cache.trie(seq.request.cache_salt)
         if trie is None:
             return own
-        own_match = self._own_match_length(seq) if own else 0
-        past, match = trie.propose(seq.token_ids, k, self.max_match, self.max_spec_factor, self.min_token_prob,
+        past, _ = trie.propose(seq.token_ids, k, self.max_match, self.max_spec_factor, self.min_token_prob,
                                    min_match=max(self.MIN_PAST_MATCH, own_match + 1))
         if past:
             self.source = "past_answers"
             return past
         return own
-
-    def _own_match_length(self, seq: Sequence) -> int:
-        """How long a suffix prompt lookup matched (its index answers the longest first)."""
-        index = self.own.indexes[seq.seq_id]
-        tokens = seq.token_ids
-        for n in range(min(self.n_max, len(tokens)), 0, -1):
-            if tuple(tokens[len(tokens) - n :]) in index.follow:
-                return n
-        return 0
 
     def forget(self, seq: Sequence) -> None:
         self.own.forget(seq)

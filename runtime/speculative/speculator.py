@@ -55,14 +55,15 @@ class Speculator:
                 config.suffix_decoding_min_token_prob, config.num_speculative_tokens)
         self.prediction = PredictionProposer()
         self.max_drafts = config.num_speculative_tokens if config is not None else PREDICTION_MAX_DRAFTS
-        self.prior = (config if config is not None else SpeculativeConfig()).prior_acceptance
+        settings = config if config is not None else SpeculativeConfig()
+        self.prior = settings.prior_acceptance
         # per draft source (a Proposer's `source`), over all sequences: the rate of keeping the first
         # draft (where a new sequence starts), and per position i > 0 the rate of keeping draft i once
         # draft i - 1 was kept (exponential averages); a source starts at the prior
         self.source_acceptance: dict[str, float] = {}
         self.source_continuation: dict[str, list[float]] = {}
         self.source_counts: dict[str, list[int]] = {}  # observations behind each of those rates
-        self.cost = StepCostModel((config if config is not None else SpeculativeConfig()).draft_token_cost)
+        self.cost = StepCostModel(settings.draft_token_cost)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_drafts)
 
     def propose(self, running: list[Sequence], num_prefill_tokens: Callable[[], int], max_model_len: int) -> None:

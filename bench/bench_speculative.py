@@ -24,6 +24,12 @@ the repeats; greedy (temperature 0), and the tokens must be identical on both si
   questions_twice     one stream, each open question asked twice by a new tenant, both timed
   forced_b*      the rewrite load at 1, 4, 16 and 64 streams with every draft verified (the
                  policy bypassed): where speculation stops paying on this machine
+  draft_*        `draft_model` (k = 4): no trained small sibling of SmolLM2 installs here, so the
+                 draft is the target's first 6 layers plus its embeddings, final norm and head
+                 (bench/smollm2.py cuts the GGUF); rewrite and open chat under the policy, then
+                 draft_forced_* with every draft made and verified (the policy bypassed): its cost
+  oracle_*       `draft_model` with the target itself as the draft, every draft made: acceptance
+                 1 by construction, so the cost of drafting with a model as large as the target
 
 Reported per load: output tok/s off and on (the prompt's prefill included), their ratio, the
 same after each request's first token (decode_*: what a streaming reader feels as TPOT), acceptance rate (accepted / drafted),
@@ -42,10 +48,12 @@ from common import log, machine_info, pin_threads, result_path, write_result
 
 from runtime import Engine, SamplingParams  # noqa: E402
 from runtime.speculative import speculator  # noqa: E402
-from smollm2 import gguf_file  # noqa: E402
+from smollm2 import first_layers_gguf, gguf_file  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+DRAFT_LAYERS = 6  # the draft: SmolLM2's first 6 of 30 layers, its embeddings, final norm and head (Q4_1 as cut)
+DRAFT_K = 4
 TEXTS = [
     "The committee met on Tuesday to review the budget. After a long discussion, the members agreed to move funds "
     "from the travel account to the training account, and asked the treasurer to report back next month with a "
@@ -160,6 +168,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer streams")
     parser.add_argument("--dtypes", default="float32,auto")
     parser.add_argument("--repeats", type=int, default=0, help="alternated repeats per load (default 3; quick 1)")
+    parser.add_argument("--draft-depths", default="", help="also cut drafts of these many layers (comma-separated) "
+                        "and measure each on open chat with every draft made: acceptance against cost")
     parser.add_argument("--loads", default="", help="only these loads (comma-separated); their rows replace "
                         "the same loads' rows in the results file, the others are kept")
     args = parser.parse_args()
@@ -212,10 +222,52 @@ def main() -> None:
                 load(f"forced_b{streams}", lambda: measure(off, batch, 64), lambda: measure(on, batch, 64))
         finally:
             speculator.plan_drafts = policy
+        draft_info = None
+        draft_loads = ("draft_rewrite", "draft_open_chat", "draft_forced_rewrite", "draft_forced_open_chat",
+                       "oracle_rewrite", "oracle_open_chat")
+        if not wanted or wanted & set(draft_loads):
+            draft_config = {"method": "draft_model", "model": str(first_layers_gguf(DRAFT_LAYERS)),
+                            "num_speculative_tokens": DRAFT_K}
+            drafted = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64,
+                                             speculative_config=draft_config)
+            oracle = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64,
+                                            speculative_config={**draft_config, "model": str(path)})
+            for engine in (drafted, oracle):
+                measure(engine, rewrites[:2] + opens[:2], 16)
+            load("draft_rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(drafted, rewrites, 160))
+            load("draft_open_chat", lambda: one_stream(off, opens, 96), lambda: one_stream(drafted, opens, 96))
+            speculator.plan_drafts = lambda gains, *rest: [len(g) for g in gains]
+            try:
+                load("draft_forced_rewrite", lambda: one_stream(off, rewrites, 160),
+                     lambda: one_stream(drafted, rewrites, 160))
+                load("draft_forced_open_chat", lambda: one_stream(off, opens, 96),
+                     lambda: one_stream(drafted, opens, 96))
+                load("oracle_rewrite", lambda: one_stream(off, rewrites, 160), lambda: one_stream(oracle, rewrites, 160))
+                load("oracle_open_chat", lambda: one_stream(off, opens, 96), lambda: one_stream(oracle, opens, 96))
+            finally:
+                speculator.plan_drafts = policy
+            for depth in map(int, filter(None, args.draft_depths.split(","))):
+                deeper = Engine.from_pretrained(path, dtype=dtype, num_blocks=2400, max_num_seqs=64, speculative_config={
+                    **draft_config, "model": str(first_layers_gguf(depth))})
+                one_stream(deeper, opens, 96)  # untimed: its prompts are prefix-cache hits from here on, as off's are
+                speculator.plan_drafts = lambda gains, *rest: [len(g) for g in gains]
+                try:
+                    rows.append(compare(f"draft_forced_open_chat_layers{depth}", lambda: one_stream(off, opens, 96),
+                                        lambda: one_stream(deeper, opens, 96), 1))
+                finally:
+                    speculator.plan_drafts = policy
+                rows[-1]["relative_cost"] = round(deeper.speculator.method.relative_cost, 3)
+                del deeper
+            method = drafted.speculator.method
+            draft_info = None if method.seconds_per_draft is None else {"file": draft_config["model"].rsplit("/", 1)[-1], "layers": DRAFT_LAYERS, "k": DRAFT_K,
+                          "relative_cost": round(method.relative_cost, 3),
+                          "seconds_per_draft_ms": round(1e3 * (method.seconds_per_draft or 0.0), 2)}
+            del drafted, oracle
         for row in rows:
             row.pop("tokens", None)
         result["dtypes"][dtype] = {"resolved": str(off.dtype).removeprefix("torch."), "loads": rows,
-                                   "cost_model": [round(x * 1e3, 3) for x in on.speculator.cost.coefficients()]}
+                                   "cost_model": [round(x * 1e3, 3) for x in on.speculator.cost.coefficients()],
+                                   "draft_model": draft_info}
         del off, on, suffix
     if wanted:
         result = merged(result_path("speculative", args.quick), result)
@@ -229,6 +281,8 @@ def merged(path, result: dict) -> dict:
     old = json.loads(path.read_text())
     for dtype, fresh in result["dtypes"].items():
         entry = old["dtypes"].setdefault(dtype, {"resolved": fresh["resolved"], "loads": [], "cost_model": None})
+        if fresh.get("draft_model"):
+            entry["draft_model"] = fresh["draft_model"]
         names = [row["load"] for row in entry["loads"]]
         for row in fresh["loads"]:
             if row["load"] in names:

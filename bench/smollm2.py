@@ -74,5 +74,47 @@ def smollm2_dir() -> Path:
     return FOLDER
 
 
+def first_layers_gguf(num_layers: int) -> Path:
+    """A draft model cut from the GGUF: its first `num_layers` layers, embeddings, final norm and head, each
+    tensor's bytes copied as they are (Q4_1 stays Q4_1), so it shares the tokenizer by construction.
+
+    SmolLM2 has no trained small sibling that installs here; this is the draft the speculative
+    benchmark measures (bench/.models/SmolLM2-135M-Instruct.first{n}.gguf, made once).
+    """
+    import re
+
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    source = gguf_file()
+    path = source.with_name(source.name.replace(".Q4_1.gguf", f".first{num_layers}.Q4_1.gguf"))
+    if path.is_file():
+        return path
+    reader = GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    partial = path.with_suffix(".part")
+    writer = GGUFWriter(str(partial), architecture)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the writer writes these itself
+        value = field.contents()
+        if name == f"{architecture}.block_count":
+            value = num_layers
+        kind = field.types[0]
+        writer.add_key_value(name, value, kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    layer = re.compile(r"^blk\.(\d+)\.")
+    for tensor in reader.tensors:
+        m = layer.match(tensor.name)
+        if m is not None and int(m.group(1)) >= num_layers:
+            continue
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(path)
+    _log(f"draft model: the first {num_layers} layers of {source.name} -> {path.name}")
+    return path
+
+
 if __name__ == "__main__":
     print(smollm2_dir())

@@ -47,7 +47,8 @@ def _gguf_rows(gguf: dict | None) -> list[tuple[str, str, str, str]]:
 
 
 SPECULATIVE_GOALS = {"rewrite": 2.5, "prediction": 3.0, "open_chat": 0.97, "streams16": 0.97, "streams64": 0.97,
-                     "suffix_open_chat": 0.97, "suffix_streams16": 0.97, "suffix_streams64": 0.97, "repeated_questions": 2.0}
+                     "suffix_open_chat": 0.97, "suffix_streams16": 0.97, "suffix_streams64": 0.97, "repeated_questions": 2.0,
+                     "draft_open_chat": 0.97}
 
 
 def _speculative_rows(spec: dict | None) -> list[tuple[str, str, str, str]]:

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 # the proposer names config, CLI and docs all read; "prediction" needs none (a request's own field)
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -35,15 +35,17 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     suffix_decoding_max_cached_requests: int = 1000  # answers kept over all scopes (0: only the own prompt)
     suffix_decoding_max_spec_factor: float = 1.0  # drafts <= this × the match length
     suffix_decoding_min_token_prob: float = 0.1  # stop drafting where the path's frequency falls below this
+    # draft_model: a checkpoint with the target's tokenizer (HF folder or GGUF), and its own KV pages. Their
+    # memory is its own budget, on top of the target's (engine.kv_cache_memory_bytes), never taken from it
+    model: str | None = None
+    draft_kv_cache_memory_bytes: int = 64 * 1024 * 1024
+    draft_num_blocks: int | None = None  # pages for the draft's KV; None: as many as its memory budget holds
     # the step-cost model's prior: one more token in a step costs this fraction of a one-token step,
     # until the engine has timed steps of different sizes (then its own fit of the clock decides)
     draft_token_cost: float = 0.02
     prior_acceptance: float = 0.5  # a sequence's acceptance estimate before it has verified drafts
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ConfigError(f"speculative method {self.method!r} is not built yet; available: "
-                              f"{', '.join(SPECULATIVE_METHODS)} (and a request's `prediction`)")
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -61,6 +63,14 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             raise ConfigError(f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor}")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ConfigError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError("speculative method 'draft_model' needs `model`: the draft checkpoint's path")
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f"speculative `model` is for method 'draft_model', not {self.method!r}")
+        if self.draft_kv_cache_memory_bytes < 1:
+            raise ConfigError(f"draft_kv_cache_memory_bytes must be positive, got {self.draft_kv_cache_memory_bytes}")
+        if self.draft_num_blocks is not None and self.draft_num_blocks < 1:
+            raise ConfigError(f"draft_num_blocks must be >= 1, got {self.draft_num_blocks}")
         if not self.draft_token_cost >= 0:
             raise ConfigError(f"draft_token_cost must be >= 0, got {self.draft_token_cost}")
         if not 0 < self.prior_acceptance < 1:

@@ -42,8 +42,11 @@ def cpu_flags() -> frozenset[str]:
 def _module_name(source: pathlib.Path, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     headers = sorted(CSRC.glob("*.h"))  # what the sources include
+    # torch's own folder too: its headers' path is in the build's command line, so two virtual environments
+    # sharing one build folder would each see the other's build as stale and rebuild it, by turns
     for part in (source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(flags).encode(),
-                 torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode()):
+                 torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
+                 os.path.dirname(os.path.realpath(torch.__file__)).encode()):
         digest.update(part)
     return f"pagedserve_{source.stem}_{digest.hexdigest()[:16]}"
 

@@ -17,18 +17,15 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from config import EngineSettings, load_engine_settings, parse_speculative_config
+from config import ConfigError, EngineSettings, load_engine_settings, parse_speculative_config
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.dtypes import resolve_dtype
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.kv_events import KVEvent
-from runtime.model.config import ModelConfig, load_model_config
+from runtime.model.checkpoint import load_checkpoint
+from runtime.model.config import ModelConfig
 from runtime.model.demo import DEMO_MODEL_NAME, build_demo_model
-from runtime.model.gguf_file import GGUFCheckpoint, is_gguf_path
-from runtime.model.gguf_loader import load_gguf_model
 from runtime.model.llama import LlamaForCausalLM
-from runtime.model.loader import load_model
-from runtime.model.quantize import check_quantization, quantize_model
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from runtime.request import Request, Sequence, SequenceStatus
@@ -36,8 +33,9 @@ from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.speculative.draft_model import DraftModelProposer
 from runtime.speculative.speculator import Speculator
-from runtime.tokenizer import ByteTokenizer, HFTokenizer
+from runtime.tokenizer import ByteTokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +75,7 @@ class Engine(RequestBuilder):
         backend = kernels.resolve_backend(settings.kernel_backend, device)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
-        self.speculator = Speculator(settings.speculative_config)
+        self.speculator = Speculator(settings.speculative_config, self._draft_proposer(settings, device, backend))
         self.requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step (aborted; max_tokens=0): the next step reports them
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
@@ -86,6 +84,27 @@ class Engine(RequestBuilder):
             "engine ready", model=model_name, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, device=settings.device, dtype=str(self.dtype).removeprefix("torch."),
         )
+
+    def _draft_proposer(self, settings: EngineSettings, device: torch.device, backend: str) -> DraftModelProposer | None:
+        """The draft model and its own pages, for method "draft_model" (else None).
+
+        Raises ConfigError if the draft's vocabulary is not the target's (it must share the tokenizer).
+        """
+        config = settings.speculative_config
+        if config is None or config.method != "draft_model":
+            return None
+        draft, _, name = load_checkpoint(config.model, device, self.dtype, settings.quantization, with_tokenizer=False)
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(f"draft model {name!r} has a vocabulary of {draft.config.vocab_size}, the target "
+                              f"{self.model_config.vocab_size}: a draft model must share the target's tokenizer")
+        bytes_per_block = self.block_size * draft.config.kv_bytes_per_token(self.dtype.itemsize)
+        num_blocks = config.draft_num_blocks or max(1, config.draft_kv_cache_memory_bytes // bytes_per_block)
+        target_bytes = self.runner.model.weight_bytes()
+        proposer = DraftModelProposer(draft, num_blocks, self.block_size, device, self.dtype, backend, settings.seed,
+                                      draft.weight_bytes() / max(target_bytes, 1))
+        log.info("draft model ready", model=name, layers=draft.config.num_layers, num_blocks=num_blocks,
+                 kv_cache_bytes=num_blocks * bytes_per_block, relative_cost=round(proposer.relative_cost, 3))
+        return proposer
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
         bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
@@ -108,22 +127,8 @@ class Engine(RequestBuilder):
         if str(model) == "demo":
             log.warning("loading the demo model: RANDOM weights, its text is noise", model=DEMO_MODEL_NAME)
             return cls(build_demo_model(device, dtype), ByteTokenizer(), settings, DEMO_MODEL_NAME)
-        path = Path(model)
-        if is_gguf_path(path):
-            checkpoint = GGUFCheckpoint(path)
-            config = checkpoint.model_config()
-            log.info("loading GGUF", path=str(path), architecture=checkpoint.architecture, layers=config.num_layers,
-                     types=checkpoint.tensor_types, quantization=settings.quantization)
-            tokenizer = HFTokenizer.from_gguf(path, checkpoint)
-            net = load_gguf_model(checkpoint, device, dtype, settings.quantization, show_progress=show_progress)
-            checkpoint.close()
-            return cls(net, tokenizer, settings, path.name.removesuffix(".gguf"))
-        config = load_model_config(path)
-        log.info("loading model", path=str(path), model_type=config.model_type, layers=config.num_layers)
-        check_quantization(settings.quantization, device)
-        net = load_model(config, path, device, dtype, show_progress=show_progress)
-        quantize_model(net, settings.quantization)
-        return cls(net, HFTokenizer(path), settings, path.name)
+        net, tokenizer, name = load_checkpoint(model, device, dtype, settings.quantization, show_progress)
+        return cls(net, tokenizer, settings, name)
 
     # --- requests: validated once (prepare_request, from RequestBuilder), then queued (add) ---
 
@@ -244,7 +249,7 @@ class Engine(RequestBuilder):
         elif self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests waiting and none running")
         if not self.scheduler.has_unfinished():
-            self.kv.check_invariants()  # idle: every page must be accounted for
+            self.check_invariants()  # idle: every page must be accounted for
         return outputs
 
     def _apply(self, batch, logits: torch.Tensor) -> list[RequestOutput]:  # logits: [num_sample_rows, vocab]
@@ -280,7 +285,8 @@ class Engine(RequestBuilder):
             if targets is not None:
                 token_id, accepted, token_logprobs = targets[i], targets[i] == draft, None
             else:
-                token_id, accepted, token_logprobs = self.sampler.verify_position(rows[i], seq, draft)
+                q = seq.draft_probs[i] if seq.draft_probs is not None and draft is not None else None
+                token_id, accepted, token_logprobs = self.sampler.verify_position(rows[i], seq, draft, q)
             if accepted:
                 num_accepted += 1
                 self.scheduler.accept_draft(seq)
@@ -434,7 +440,15 @@ class Engine(RequestBuilder):
             "spec_decode_num_draft_tokens": self.speculator.stats.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
             "spec_decode_accepted_per_position": list(self.speculator.stats.accepted_per_position),
+            **self._draft_stats(),
         }
+
+    def _draft_stats(self) -> dict:
+        draft = self.speculator.method
+        if not isinstance(draft, DraftModelProposer):
+            return {}
+        return {"draft_num_blocks": draft.num_blocks, "draft_num_used_blocks": draft.num_used_blocks,
+                "draft_num_skipped_for_pages": draft.num_skipped_for_pages}
 
     def page_map(self) -> dict:
         """A snapshot of every page and every live sequence's page table (the dashboard's picture).
@@ -484,5 +498,8 @@ class Engine(RequestBuilder):
         return sum(filled.values())
 
     def check_invariants(self) -> None:
-        """Raise if page bookkeeping is inconsistent (see BlockPool.check_invariants)."""
+        """Raise if page bookkeeping is inconsistent (see BlockPool.check_invariants), the draft model's too."""
         self.kv.check_invariants()
+        draft = self.speculator.method
+        if isinstance(draft, DraftModelProposer):
+            draft.check_invariants({seq.seq_id for request in self.requests.values() for seq in request.sequences})

@@ -18,7 +18,7 @@ import torch
 from kernels.token_mask import allowed_token_ids
 from runtime.grammar import fill_bitmasks
 from runtime.request import Sequence
-from runtime.speculative.rejection import draw, verify_draft
+from runtime.speculative.rejection import draw, residual_distribution, verify_draft
 
 
 @dataclass
@@ -82,6 +82,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
+
+
+def tempered_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
+    """softmax of the row tempered, then top-k / top-p / min-p filtered (what a sampled draw uses)."""
+    return torch.softmax(filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
 
 
 def held_back(seq: Sequence) -> torch.Tensor | None:  # int64 [m]
@@ -160,8 +165,9 @@ class Sampler:
         return self._pick(row, seq, allowed, None)[0]
 
     def _pick(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None,
-              draft: int | None) -> tuple[int, bool]:
-        """(token, whether it is `draft`): a plain draw without a draft, else the exact rejection rule."""
+              draft: int | None, q: torch.Tensor | None = None) -> tuple[int, bool]:
+        """(token, whether it is `draft`): a plain draw without a draft, else the exact rejection rule
+        (`q` [vocab]: the draft's distribution; None: one-hot)."""
         params = seq.params
         if params.has_penalties:
             row = apply_penalties(row, seq)
@@ -173,6 +179,8 @@ class Sampler:
                 index = at if at < allowed.shape[0] and int(allowed[at]) == draft else None
         if allowed is not None:
             row = row[allowed]  # [num_allowed]: what follows costs O(allowed), not O(vocab)
+            if q is not None:
+                q = q[allowed]  # p is 0 elsewhere, so max(p - q, 0) is too: the rule only needs q here
         if params.is_greedy:
             choice = int(row.argmax())
             accepted = index is not None and choice == index
@@ -183,11 +191,12 @@ class Sampler:
                 # Inverse CDF: one uniform draw per token (so a seeded sequence's draws do not depend on
                 # the batch); a token of probability 0 is never chosen
                 choice, accepted = draw(probs, generator), False
-            elif index is None:  # the grammar refuses the draft: p(d) = 0, rejected, and the residual is p
+            elif index is None:  # the grammar refuses the draft: p(d) = 0, rejected; the residual is p (one-hot q)
                 torch.rand((), dtype=torch.float64, generator=generator)  # the acceptance draw, spent as always
-                choice, accepted = draw(probs, generator), False
+                residual = probs if q is None else residual_distribution(probs, q, 0)
+                choice, accepted = draw(residual, generator), False
             else:
-                choice, accepted = verify_draft(probs, None, index, generator)
+                choice, accepted = verify_draft(probs, q, index, generator)
         return (int(allowed[choice]) if allowed is not None else choice), accepted
 
     @staticmethod
@@ -203,23 +212,24 @@ class Sampler:
     @staticmethod
     def target_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
         """The distribution a sampled token is drawn from: the (penalised, restricted) row tempered, then filtered."""
-        return torch.softmax(filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
+        return tempered_probs(row, params)
 
-    def verify_position(self, row: torch.Tensor, seq: Sequence,
-                        draft: int | None) -> tuple[int, bool, dict[int, float] | None]:  # row: float32 [vocab]
+    def verify_position(self, row: torch.Tensor, seq: Sequence, draft: int | None,
+                        q: torch.Tensor | None = None) -> tuple[int, bool, dict[int, float] | None]:  # row: float32 [vocab]
         """The token one verified position emits for `seq`, in its state now (tokens so far, grammar, penalties).
 
-        With a deterministic `draft`: (the draft, True) with probability p(draft), else a draw from p
-        without it; greedy keeps the draft exactly when it is the argmax. Without one (the position
-        after the last draft): an ordinary draw. Also the token's logprobs when asked (raw row, as
-        __call__ gives them).
+        With a deterministic `draft` (q None): (the draft, True) with probability p(draft), else a
+        draw from p without it. With `q` [vocab], the distribution the draft was drawn from: kept
+        with probability min(1, p/q), else a draw from norm(max(p - q, 0)). Greedy keeps the draft
+        exactly when it is the argmax. Without a draft (the position after the last one): an
+        ordinary draw. Also the token's logprobs when asked (raw row, as __call__ gives them).
         """
         row = row.float().cpu()
         params = seq.params
         logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
         row = self._adjusted(row[None], [seq])[0]
         allowed = self._allowed_ids(row.shape[0], [seq]).get(0)
-        token_id, accepted = self._pick(row, seq, allowed, draft)
+        token_id, accepted = self._pick(row, seq, allowed, draft, q)
         token_logprobs = self._logprobs(logprobs, token_id, params.logprobs) if logprobs is not None else None
         return token_id, accepted, token_logprobs
 

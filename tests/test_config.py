@@ -55,7 +55,10 @@ def test_speculative_config_takes_vllms_keys_from_toml_and_names_what_is_wrong(t
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}').num_speculative_tokens == 4
     suffix = parse_speculative_config('{"method": "suffix", "suffix_decoding_max_cached_requests": 50}')
     assert (suffix.suffix_decoding_max_cached_requests, suffix.suffix_decoding_max_tree_depth) == (50, 24)
-    for bad, words in (('{"method": "eagle"}', "eagle"), ('{"method": "draft_model"}', "not built yet"),
+    draft = parse_speculative_config('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}')
+    assert (draft.model, draft.draft_kv_cache_memory_bytes, draft.draft_num_blocks) == ("/m", 64 * 1024 * 1024, None)
+    for bad, words in (('{"method": "eagle"}', "eagle"), ('{"method": "draft_model"}', "needs `model`"),
+                       ('{"method": "ngram", "model": "x"}', "draft_model"), ('{"draft_num_blocks": 0}', "draft_num_blocks"),
                        ('{"method": "suffix", "suffix_decoding_max_tree_depth": 4}', "suffix_decoding_max_tree_depth"),
                        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"), ('{"lookahead": 2}', "lookahead"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"), ("{", "")):

@@ -70,23 +70,27 @@ class StepCostModel:
 
 
 def plan_drafts(gains: list[list[float]], num_base_tokens: int, num_emitting: int,
-                cost: tuple[float, float]) -> list[int]:
+                cost: tuple[float, float], extra_costs: list[float] | None = None) -> list[int]:
     """Drafts per candidate sequence: slots best-first, while each raises expected tokens per second.
 
     gains[i][j]: the probability that candidate i's draft j + 1 is kept (all before it kept too),
     non-increasing in j; its length is the most i may verify. num_base_tokens: the step's tokens
     without drafts; num_emitting: sequences that emit a token this step anyway; cost: (t0, t1)
-    from StepCostModel.
+    from StepCostModel; extra_costs[i]: seconds making one of candidate i's drafts costs (a draft
+    model's forward; 0 for lookups), so its slot costs t1 + extra_costs[i] and ranks by gain per cost.
     """
     t0, t1 = cost
+    extra = extra_costs or [0.0] * len(gains)
     time = t0 + t1 * num_base_tokens
     expected = float(num_emitting)
-    slots = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), reverse=True)
+    slots = sorted(((gain / max(t1 + extra[i], 1e-12), gain, i) for i, row in enumerate(gains) for gain in row),
+                   reverse=True)
     num_drafts = [0] * len(gains)
-    for gain, i in slots:
-        if gain * time <= DRAFT_MARGIN * expected * t1:  # tokens per second would not rise enough (nor for the rest)
+    for _, gain, i in slots:
+        slot_cost = t1 + extra[i]
+        if gain * time <= DRAFT_MARGIN * expected * slot_cost:  # tokens per second would not rise enough (nor for the rest)
             break
         num_drafts[i] += 1
         expected += gain
-        time += t1
+        time += slot_cost
     return num_drafts

@@ -43,12 +43,13 @@ class SpecDecodeStats:
 class Speculator:
     """Proposers, the step-cost model and the draft policy, for one engine."""
 
-    def __init__(self, config: SpeculativeConfig | None) -> None:
+    def __init__(self, config: SpeculativeConfig | None, draft: Proposer | None = None) -> None:
+        """`draft`: the method's proposer when the engine built it (draft_model: it holds a model and its pages)."""
         self.config = config
-        self.method: Proposer | None = None
-        if config is not None and config.method == "ngram":
+        self.method: Proposer | None = draft
+        if draft is None and config is not None and config.method == "ngram":
             self.method = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config is not None and config.method == "suffix":
+        elif draft is None and config is not None and config.method == "suffix":
             self.method = SuffixProposer(
                 config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_tree_depth,
                 config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
@@ -89,7 +90,10 @@ class Speculator:
         if not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
             return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
         candidates: list[tuple[Sequence, list[int]]] = []
+        deferred: dict[str, Sequence] = {}  # a batched method's: planned first, drafted after (each draft costs a forward)
+        batched = getattr(self.method, "batched", False)
         for seq in decoding:
+            seq.draft_probs = None
             # drafts past max_tokens or the model's length could never be emitted
             k = min(self.max_drafts, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
             if k <= 0:
@@ -97,8 +101,12 @@ class Speculator:
             drafts = self.prediction.propose(seq, k) if seq.request.prediction_token_ids else []
             seq.draft_source = self.prediction.source
             if not drafts and self.method is not None:
-                drafts = self.method.propose(seq, k)
                 seq.draft_source = self.method.source
+                if batched:
+                    deferred[seq.seq_id] = seq
+                    candidates.append((seq, [0] * k))  # placeholders: how many is planned below
+                    continue
+                drafts = self.method.propose(seq, k)
             if drafts and seq.grammar is not None:  # cut at the first draft the grammar refuses (it could not be kept)
                 drafts = drafts[: seq.grammar.num_valid(drafts)]
             if drafts:
@@ -106,9 +114,21 @@ class Speculator:
         if not candidates:
             return
         gains = [self._gains(seq, len(drafts)) for seq, drafts in candidates]
-        counts = plan_drafts(gains, num_base_tokens, num_decodes, cost)
+        extra = self.method.draft_cost(cost[0]) if batched else 0.0
+        extra_costs = [extra if seq.seq_id in deferred else 0.0 for seq, _ in candidates] if deferred else None
+        counts = plan_drafts(gains, num_base_tokens, num_decodes, cost, extra_costs)
+        planned: list[tuple[Sequence, int]] = []
         for (seq, drafts), count in zip(candidates, counts):
-            seq.draft_token_ids = drafts[:count]
+            if seq.seq_id not in deferred:
+                seq.draft_token_ids = drafts[:count]
+            elif count > 0:
+                planned.append((seq, count))
+        if planned:
+            made = self.method.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
+            for (seq, _), drafts in zip(planned, made):
+                if drafts and seq.grammar is not None:
+                    drafts = drafts[: seq.grammar.num_valid(drafts)]
+                seq.draft_token_ids = drafts
 
     def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:
         """P(draft j kept, and every one before it), j = 1..num_drafts."""

@@ -130,3 +130,25 @@ def test_the_dashboard_payload_carries_each_sequences_drafts(stories_dir):
     assert drafted > 0 and accepted == seq.num_accepted_draft_tokens > 0
     engine.abort_request("d")
     engine.step()
+
+
+def test_a_draft_model_server_streams_the_same_text(server, stories_dir, tmp_path_factory):
+    """`draft_model` through the server: SSE chat gives the plain server's text; the counters show its drafts."""
+    from tests.runtime.speculative.engine_helpers import first_layers_checkpoint
+
+    draft = first_layers_checkpoint(stories_dir, tmp_path_factory.mktemp("draft") / "stories-2l", 2)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+
+    def streamed(running) -> str:
+        chunks = _client(running).chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=40,
+                                                         temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(speculator, "plan_drafts", lambda gains, *rest: [len(g) for g in gains])
+        with run_server(stories_settings(stories_dir, speculative_config=config)) as running:
+            assert streamed(running) == streamed(server)
+            metrics = _metrics(running)
+            running.wait_idle()
+    assert metrics['vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="stories260K"}'] > 0
+    assert metrics['vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="stories260K"}'] > 0

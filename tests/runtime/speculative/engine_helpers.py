@@ -147,3 +147,30 @@ class GrammarWalkProposer:
 
     def forget(self, seq: Sequence) -> None:
         pass
+
+
+def first_layers_checkpoint(source, destination, num_layers: int):
+    """A draft checkpoint cut from `source`: its first `num_layers` layers, its embeddings, final norm and head.
+
+    The same tokenizer by construction, a fraction of the compute, and a guess that is often right.
+    """
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    source, destination = Path(source), Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    tensors = {key: value for key, value in load_file(source / "model.safetensors").items()
+               if (m := layer.match(key)) is None or int(m.group(1)) < num_layers}
+    save_file(tensors, destination / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (destination / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, destination / name)
+    return destination

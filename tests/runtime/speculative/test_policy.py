@@ -58,3 +58,13 @@ def test_before_any_step_the_prior_sets_the_shape():
         model.observe(1, 0.010)  # one size only: the slope cannot be seen, the prior's ratio holds
     t0, t1 = model.coefficients()
     assert t0 == pytest.approx(0.010, rel=0.05) and t1 / t0 == pytest.approx(0.02, rel=0.2)
+
+
+def test_a_draft_that_costs_a_forward_to_make_gets_fewer_slots_than_a_free_one():
+    """Same acceptance, but one candidate's drafts each cost a draft model's forward: it ranks and stops earlier."""
+    cost = (0.010, 0.0005)  # t0 10 ms, t1 0.5 ms
+    gains = [[0.9, 0.8, 0.7, 0.6], [0.9, 0.8, 0.7, 0.6]]
+    free, drafted = plan_drafts(gains, 2, 2, cost, [0.0, 0.001])
+    assert free == 4 and 0 < drafted < 4
+    assert plan_drafts(gains, 2, 2, cost, [0.0, 0.05]) == [4, 0]  # a draft as dear as five steps never pays
+    assert plan_drafts(gains, 2, 2, cost) == plan_drafts(gains, 2, 2, cost, [0.0, 0.0])

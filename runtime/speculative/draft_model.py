@@ -69,6 +69,8 @@ class DraftModelProposer:
         self.vocab_size = model.config.vocab_size
         self.generator = torch.Generator().manual_seed(seed ^ 0x5EED)  # draws of unseeded sampled requests
         self.states: dict[str, _DraftState] = {}
+        # a seeded sequence's draft draws, kept until the sequence is forgotten (its pages may be dropped before)
+        self.generators: dict[str, torch.Generator] = {}
         # a draft token's cost relative to a target step's fixed part (weights read), until measured
         self.relative_cost = relative_cost
         self.seconds_per_draft: float | None = None
@@ -89,7 +91,6 @@ class DraftModelProposer:
         Sets each drafting sequence's `draft_probs`: None for one-hot drafts (greedy), else
         float32 [num_drafts, vocab], the distribution each draft was drawn from.
         """
-        started = time.perf_counter()
         jobs: list[tuple[Sequence, _DraftState, int]] = []
         for seq, count in zip(seqs, counts):
             seq.draft_probs = None
@@ -112,7 +113,10 @@ class DraftModelProposer:
             state.num_confirmed = len(state.token_ids)
             entries.append(ScheduledSequence(seq.seq_id, chunk, start, [b.block_id for b in state.blocks], 0, 1))
         self._draw(ScheduledBatch(entries=entries, num_decodes=0), jobs, drafts, probs)
-        # then one token at a time: d(i) in, d(i + 1) out
+        # then one token at a time: d(i) in, d(i + 1) out. Their time is what a draft costs (the forward above
+        # also catches up a prompt the first time, which no later draft pays again)
+        started = time.perf_counter()
+        num_timed = 0
         for i in range(1, max(count for _, _, count in jobs)):
             running = [(seq, state, count) for seq, state, count in jobs if count > i]
             entries = []
@@ -122,20 +126,24 @@ class DraftModelProposer:
                                                  [b.block_id for b in state.blocks], 0, 1))
                 state.token_ids.append(token)
             self._draw(ScheduledBatch(entries=entries, num_decodes=len(entries)), running, drafts, probs)
+            num_timed += len(running)
+        if num_timed:
+            seconds = (time.perf_counter() - started) / num_timed
+            self.seconds_per_draft = seconds if self.seconds_per_draft is None else (
+                COST_DECAY * self.seconds_per_draft + (1.0 - COST_DECAY) * seconds)
         for seq, _, _ in jobs:
             if probs[seq.seq_id]:
                 seq.draft_probs = torch.stack(probs[seq.seq_id])  # [num_drafts, vocab]
-        made = sum(count for _, _, count in jobs)
-        seconds = (time.perf_counter() - started) / made
-        self.seconds_per_draft = seconds if self.seconds_per_draft is None else (
-            COST_DECAY * self.seconds_per_draft + (1.0 - COST_DECAY) * seconds)
         return [drafts[seq.seq_id] for seq in seqs]
 
     def _caught_up_state(self, seq: Sequence, count: int) -> _DraftState | None:
         """The sequence's draft state cut back to what agrees with its tokens, with pages for `count` drafts."""
         state = self.states.get(seq.seq_id)
         if state is None:
-            state = self.states[seq.seq_id] = _DraftState(self._generator_for(seq))
+            generator = self.generators.get(seq.seq_id)
+            if generator is None and seq.params.seed is not None:
+                generator = self.generators[seq.seq_id] = self._seeded_generator(seq)
+            state = self.states[seq.seq_id] = _DraftState(generator)
         common = state.num_confirmed
         tokens = seq.token_ids
         limit = min(len(state.token_ids), len(tokens))
@@ -148,6 +156,9 @@ class DraftModelProposer:
         needed = -(-(len(tokens) + count - 1) // self.block_size)
         missing = needed - len(state.blocks)
         if missing > self.pool.num_free_blocks:
+            if not self.num_skipped_for_pages:
+                log.warning("draft pool full: a sequence drafts nothing this step (speculative_config's "
+                            "draft_kv_cache_memory_bytes or draft_num_blocks sets its size)", num_blocks=self.num_blocks)
             self.num_skipped_for_pages += 1
             self._release(seq.seq_id)
             return None
@@ -177,12 +188,9 @@ class DraftModelProposer:
             probs[seq.seq_id].append(q)
 
     @staticmethod
-    def _generator_for(seq: Sequence) -> torch.Generator | None:
+    def _seeded_generator(seq: Sequence) -> torch.Generator:
         """A seeded request's draft draws come from their own generator (so a seed reproduces its drafts too)."""
-        seed = seq.params.seed
-        if seed is None:
-            return None
-        return torch.Generator().manual_seed((seed * 1_000_003 + seq.index + 0x0D7AF7) & 0xFFFF_FFFF_FFFF)
+        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + seq.index + 0x0D7AF7) & 0xFFFF_FFFF_FFFF)
 
     def _release(self, seq_id: str) -> None:
         state = self.states.pop(seq_id, None)
@@ -192,6 +200,7 @@ class DraftModelProposer:
     def forget(self, seq: Sequence) -> None:
         """A finished sequence's draft pages go back to the draft pool."""
         self._release(seq.seq_id)
+        self.generators.pop(seq.seq_id, None)
 
     @property
     def num_used_blocks(self) -> int:
@@ -201,7 +210,7 @@ class DraftModelProposer:
         """Raise unless every used draft page belongs to exactly one live sequence's state."""
         self.pool.check_invariants()
         held = [b.block_id for seq_id, state in self.states.items() for b in state.blocks]
-        stale = set(self.states) - live_seq_ids
+        stale = (set(self.states) | set(self.generators)) - live_seq_ids
         if stale:
             raise RuntimeError(f"draft pages held for sequences that ended: {sorted(stale)}")
         if len(held) != len(set(held)) or len(held) != self.num_used_blocks:

@@ -87,7 +87,8 @@ class Speculator:
         sources = (self.method.sources if self.method is not None else ())
         best = max(self._best_of(seq, sources + (self.prediction.sources if seq.request.prediction_token_ids else ()))
                    for seq in decoding)
-        if not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
+        seeded = any(seq.params.seed is not None and not seq.params.is_greedy for seq in decoding)
+        if not seeded and not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
             return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
         candidates: list[tuple[Sequence, list[int]]] = []
         deferred: dict[str, Sequence] = {}  # a batched method's: planned first, drafted after (each draft costs a forward)
@@ -117,6 +118,10 @@ class Speculator:
         extra = self.method.draft_cost(cost[0]) if batched else 0.0
         extra_costs = [extra if seq.seq_id in deferred else 0.0 for seq, _ in candidates] if deferred else None
         counts = plan_drafts(gains, num_base_tokens, num_decodes, cost, extra_costs)
+        # a seeded sampled sequence drafts all it has: the policy's cut follows the clock, and a different
+        # count would spend its seeded draws differently (the same distribution, not the same output)
+        counts = [len(drafts) if seq.params.seed is not None and not seq.params.is_greedy else count
+                  for (seq, drafts), count in zip(candidates, counts)]
         planned: list[tuple[Sequence, int]] = []
         for (seq, drafts), count in zip(candidates, counts):
             if seq.seq_id not in deferred:
@@ -127,7 +132,10 @@ class Speculator:
             made = self.method.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
             for (seq, _), drafts in zip(planned, made):
                 if drafts and seq.grammar is not None:
-                    drafts = drafts[: seq.grammar.num_valid(drafts)]
+                    # a sampled draft (q given) keeps its first refused token: verification must reject it by the
+                    # rule (a draw from max(p - q, 0)), since cutting there would depend on the value q drew; what
+                    # follows it is never reached. A one-hot draft is exact whatever it is, so it is cut before.
+                    drafts = drafts[: seq.grammar.num_valid(drafts) + (seq.draft_probs is not None)]
                 seq.draft_token_ids = drafts
 
     def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:

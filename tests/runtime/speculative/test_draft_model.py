@@ -17,7 +17,7 @@ from runtime.sampler import Sampler
 from runtime.speculative.draft_model import DraftModelProposer
 from tests.conftest import hf_greedy
 from tests.runtime.speculative.engine_helpers import engine, first_layers_checkpoint, run, tokens
-from tests.runtime.speculative.test_sampling_exactness import FIELDS, STORY, _chi_square_p, _recording
+from tests.runtime.speculative.test_sampling_exactness import FIELDS, JOINT, STORY, _chi_square_p, _recording
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = ["Lily and Tom went to the park. Lily and Tom saw a big tree. Lily and Tom", "Once upon a time",
@@ -168,15 +168,17 @@ def test_sampled_drafts_verify_against_what_the_plain_sampler_would_draw(stories
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=f"position {position}")
 
 
-def test_sampled_outputs_are_distributed_as_without_speculation(stories_dir, draft_dir):
-    """Target and draft differ, the draft samples from its own q: a chi-square test of the joint outputs."""
+@pytest.mark.parametrize("case", ["plain", "grammar"])
+def test_sampled_outputs_are_distributed_as_without_speculation(stories_dir, draft_dir, case):
+    """Target and draft differ, the draft samples from its own q: a chi-square test of the joint outputs. Under a
+    grammar the draft often proposes what the grammar refuses, which verification must reject by the rule."""
+    fields, text = JOINT[case]
     num = 800
     outputs = {}
     for speculative in (False, True):
         e = engine(stories_dir, _draft(draft_dir, 3) if speculative else None, max_num_seqs=256)
-        prompt = e.tokenizer.encode("Once upon a time, there was a")
-        params = [SamplingParams(seed=1_000 * speculative + i, ignore_eos=True, temperature=1.0, max_tokens=3)
-                  for i in range(num)]
+        prompt = e.tokenizer.encode(text)
+        params = [SamplingParams(seed=1_000 * speculative + i, ignore_eos=True, **fields) for i in range(num)]
         outputs[speculative] = Counter(tuple(o.outputs[0].token_ids) for o in run(e, [prompt] * num, params))
         if speculative:
             stats = e.speculator.stats
@@ -192,3 +194,56 @@ def test_a_seed_reproduces_the_same_output_with_a_sampling_draft(stories_dir, dr
         spec = engine(stories_dir, _draft(draft_dir, 4))
         runs.append(run(spec, [spec.tokenizer.encode(STORY)], params)[0].outputs[0].token_ids)
     assert runs[0] == runs[1]
+
+
+class _HalfRefusedDraft:
+    """A sampled draft for the second output token (the first is the prefill's): q puts half its mass on
+    `token`, half on a token the grammar refuses. Verification must reject the refused one by the rule,
+    drawing from max(p - q, 0); cutting it instead (and drawing from p) would give `token` up to 1.5 times
+    its probability."""
+
+    sources, source, batched = ("half_refused",), "half_refused", True
+
+    def __init__(self, token: int, vocab_size: int) -> None:
+        self.token = token
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(5)
+
+    def draft_cost(self, target_fixed_seconds: float) -> float:
+        return 0.0
+
+    def propose_batch(self, seqs, counts):
+        made = []
+        for seq in seqs:
+            seq.draft_probs = None
+            if seq.num_output_tokens != 1:
+                made.append([])
+                continue
+            refused = next(t for t in range(self.vocab_size) if seq.grammar.num_valid([t]) == 0)
+            q = torch.zeros(self.vocab_size)
+            q[self.token] = q[refused] = 0.5
+            seq.draft_probs = q[None]
+            made.append([self.token if float(torch.rand((), generator=self.generator)) < 0.5 else refused])
+        return made
+
+    def forget(self, seq) -> None:
+        pass
+
+
+def test_a_sampled_draft_the_grammar_refuses_is_rejected_by_the_rule(stories_dir):
+    fields, text = JOINT["grammar"]
+    num = 600
+    pairs = {}  # the first two output tokens
+    for speculative in (False, True):
+        e = engine(stories_dir, max_num_seqs=256)
+        prompt = e.tokenizer.encode(text)
+        if speculative:  # half-refused drafts around the plain run's likeliest second token
+            token = Counter(second for _, second in pairs[False].elements()).most_common(1)[0][0]
+            e.speculator.method = _HalfRefusedDraft(token, e.limits.vocab_size)
+        params = [SamplingParams(seed=1_000 * speculative + i, ignore_eos=True, **{**fields, "max_tokens": 3})
+                  for i in range(num)]
+        pairs[speculative] = Counter(tuple(o.outputs[0].token_ids[:2]) for o in run(e, [prompt] * num, params))
+    p_value = _chi_square_p(pairs[False], pairs[True])
+    assert p_value > 0.001, (p_value, pairs[False].most_common(4), pairs[True].most_common(4))
+    stats = e.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # refused drafts were verified and rejected

@@ -68,3 +68,19 @@ def test_a_draft_that_costs_a_forward_to_make_gets_fewer_slots_than_a_free_one()
     assert free == 4 and 0 < drafted < 4
     assert plan_drafts(gains, 2, 2, cost, [0.0, 0.05]) == [4, 0]  # a draft as dear as five steps never pays
     assert plan_drafts(gains, 2, 2, cost) == plan_drafts(gains, 2, 2, cost, [0.0, 0.0])
+
+
+def test_a_seeded_sampled_request_drafts_whatever_the_clock_says(stories_dir):
+    """The policy would draft nothing (a step's every token as dear as the step): an unseeded request drafts
+    nothing, a seeded sampled one all its method proposes, so its seed reproduces it whatever the timing."""
+    from runtime import SamplingParams
+    from tests.runtime.speculative.engine_helpers import NGRAM, engine, run
+
+    story = "Lily and Tom went to the park. Lily and Tom saw a big tree. Lily and Tom"
+    drafted = {}
+    for name, seed in (("unseeded", None), ("seeded", 3)):
+        spec = engine(stories_dir, NGRAM)
+        spec.speculator.cost.coefficients = lambda: (0.001, 1.0)
+        run(spec, [spec.tokenizer.encode(story)], SamplingParams(max_tokens=30, temperature=0.8, seed=seed))
+        drafted[name] = spec.speculator.stats.num_draft_tokens
+    assert drafted["unseeded"] == 0 and drafted["seeded"] > 0

@@ -43,13 +43,13 @@ COST_DECAY = 0.9  # weight of the past in the measured seconds per draft token
 class _DraftState:
     """One sequence's pages in the draft's cache and the tokens their KV was computed for."""
 
-    __slots__ = ("blocks", "token_ids", "num_confirmed", "generator")
+    __slots__ = ("blocks", "block_ids", "token_ids", "num_confirmed")
 
-    def __init__(self, generator: torch.Generator | None) -> None:
+    def __init__(self) -> None:
         self.blocks: list[Block] = []
+        self.block_ids: list[int] = []  # the blocks' ids: the page table handed to the runner
         self.token_ids: list[int] = []  # KV in the draft's pages holds exactly these, position by position
         self.num_confirmed = 0  # the first num_confirmed of token_ids were the sequence's own (not drafts)
-        self.generator = generator  # a seeded request's own draws; None: the proposer's
 
 
 class DraftModelProposer:
@@ -111,7 +111,7 @@ class DraftModelProposer:
             chunk = seq.token_ids[start:]
             state.token_ids += chunk
             state.num_confirmed = len(state.token_ids)
-            entries.append(ScheduledSequence(seq.seq_id, chunk, start, [b.block_id for b in state.blocks], 0, 1))
+            entries.append(ScheduledSequence(seq.seq_id, chunk, start, state.block_ids, 0, 1))
         self._draw(ScheduledBatch(entries=entries, num_decodes=0), jobs, drafts, probs)
         # then one token at a time: d(i) in, d(i + 1) out. Their time is what a draft costs (the forward above
         # also catches up a prompt the first time, which no later draft pays again)
@@ -122,8 +122,7 @@ class DraftModelProposer:
             entries = []
             for seq, state, _ in running:
                 token = drafts[seq.seq_id][-1]
-                entries.append(ScheduledSequence(seq.seq_id, [token], len(state.token_ids),
-                                                 [b.block_id for b in state.blocks], 0, 1))
+                entries.append(ScheduledSequence(seq.seq_id, [token], len(state.token_ids), state.block_ids, 0, 1))
                 state.token_ids.append(token)
             self._draw(ScheduledBatch(entries=entries, num_decodes=len(entries)), running, drafts, probs)
             num_timed += len(running)
@@ -140,10 +139,7 @@ class DraftModelProposer:
         """The sequence's draft state cut back to what agrees with its tokens, with pages for `count` drafts."""
         state = self.states.get(seq.seq_id)
         if state is None:
-            generator = self.generators.get(seq.seq_id)
-            if generator is None and seq.params.seed is not None:
-                generator = self.generators[seq.seq_id] = self._seeded_generator(seq)
-            state = self.states[seq.seq_id] = _DraftState(generator)
+            state = self.states[seq.seq_id] = _DraftState()
         common = state.num_confirmed
         tokens = seq.token_ids
         limit = min(len(state.token_ids), len(tokens))
@@ -165,6 +161,7 @@ class DraftModelProposer:
         if missing > 0:
             state.blocks += self.pool.get_new_blocks(missing)
         self._trim(state, needed)
+        state.block_ids = [b.block_id for b in state.blocks]  # once per step, not per draft forward
         return state
 
     def _trim(self, state: _DraftState, num_blocks: int) -> None:
@@ -172,6 +169,7 @@ class DraftModelProposer:
         if len(state.blocks) > num_blocks:
             self.pool.free_blocks(reversed(state.blocks[num_blocks:]))
             del state.blocks[num_blocks:]
+            del state.block_ids[num_blocks:]
 
     def _draw(self, batch: ScheduledBatch, jobs: list[tuple[Sequence, _DraftState, int]],
               drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
@@ -184,13 +182,19 @@ class DraftModelProposer:
                 drafts[seq.seq_id].append(argmax[row])
                 continue
             q = tempered_probs(logits[row], seq.params)  # [vocab]
-            drafts[seq.seq_id].append(draw(q, state.generator or self.generator))
+            drafts[seq.seq_id].append(draw(q, self._generator_for(seq)))
             probs[seq.seq_id].append(q)
 
-    @staticmethod
-    def _seeded_generator(seq: Sequence) -> torch.Generator:
-        """A seeded request's draft draws come from their own generator (so a seed reproduces its drafts too)."""
-        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + seq.index + 0x0D7AF7) & 0xFFFF_FFFF_FFFF)
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        """A seeded request's draft draws come from its own generator, made once and kept until the sequence
+        is forgotten (its pages may be dropped before), so a seed reproduces its drafts too; else the proposer's."""
+        if seq.params.seed is None:
+            return self.generator
+        generator = self.generators.get(seq.seq_id)
+        if generator is None:
+            seed = (seq.params.seed * 1_000_003 + seq.index + 0x0D7AF7) & 0xFFFF_FFFF_FFFF
+            generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seed)
+        return generator
 
     def _release(self, seq_id: str) -> None:
         state = self.states.pop(seq_id, None)

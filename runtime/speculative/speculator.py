@@ -108,8 +108,7 @@ class Speculator:
                     candidates.append((seq, [0] * k))  # placeholders: how many is planned below
                     continue
                 drafts = self.method.propose(seq, k)
-            if drafts and seq.grammar is not None:  # cut at the first draft the grammar refuses (it could not be kept)
-                drafts = drafts[: seq.grammar.num_valid(drafts)]
+            drafts = self._grammar_cut(seq, drafts)
             if drafts:
                 candidates.append((seq, drafts))
         if not candidates:
@@ -131,12 +130,19 @@ class Speculator:
         if planned:
             made = self.method.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
             for (seq, _), drafts in zip(planned, made):
-                if drafts and seq.grammar is not None:
-                    # a sampled draft (q given) keeps its first refused token: verification must reject it by the
-                    # rule (a draw from max(p - q, 0)), since cutting there would depend on the value q drew; what
-                    # follows it is never reached. A one-hot draft is exact whatever it is, so it is cut before.
-                    drafts = drafts[: seq.grammar.num_valid(drafts) + (seq.draft_probs is not None)]
-                seq.draft_token_ids = drafts
+                seq.draft_token_ids = self._grammar_cut(seq, drafts)
+
+    @staticmethod
+    def _grammar_cut(seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the sequence's grammar refuses (it could never be kept).
+
+        A sampled draft (`seq.draft_probs` set) keeps that refused token: verification must reject
+        it by the rule (a draw from max(p - q, 0)), since cutting there would depend on the value q
+        drew; what follows it is never reached. A one-hot draft is exact whatever it is: cut before.
+        """
+        if not drafts or seq.grammar is None:
+            return drafts
+        return drafts[: seq.grammar.num_valid(drafts) + (seq.draft_probs is not None)]
 
     def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:
         """P(draft j kept, and every one before it), j = 1..num_drafts."""

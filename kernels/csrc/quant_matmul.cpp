@@ -20,7 +20,9 @@
 //
 // int4_matmul_few_rows: the same layout, for a few rows of x (decode): read once from memory, each
 // nibble becomes bfloat16(q - 8) by a table lookup (exact), and a group's scale and zero are applied
-// to its 32-input dot-product sums, so the weight is never rounded (as torch's int4 kernel).
+// to its 32-input dot-product sums, so the weight is never rounded (as torch's int4 kernel). Each
+// unpacked group serves up to 6 rows of x; their scaled sums wait in L1, leaving the registers to the
+// partial sums. A row's result does not depend on which rows came with it.
 //
 // int8_matmul: an int8 weight [N, K] with one float32 scale per output row (the LM head). Its
 // values are exact in bfloat16, so 16 rows at a time are converted into a bfloat16 buffer, dot
@@ -162,10 +164,9 @@ inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, con
                                          static_cast<short>(0xC040), static_cast<short>(0xC080),
                                          static_cast<short>(0xC0A0), static_cast<short>(0xC0C0),
                                          static_cast<short>(0xC0E0), static_cast<short>(0xC100));
-  __m512 total[R][4];
-  for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < 4; ++v) total[i][v] = _mm512_setzero_ps();
-  }
+  // the scaled sums live in L1, not registers: R x 4 partial sums, 4 weight vectors, an input and two
+  // constants fill the 32 registers at R = 6, so the weight is unpacked once per 6 rows, not per 3
+  alignas(64) float total[R][64] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* in = block + g * kGroup * 32;
     const uint16_t* xg = x + g * kGroup;
@@ -200,17 +201,18 @@ inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, con
       const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
       const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
       for (int i = 0; i < R; ++i) {
-        total[i][v] = _mm512_fmadd_ps(partial[i][v], scales, total[i][v]);
-        total[i][v] = _mm512_fmadd_ps(zeros, _mm512_set1_ps(x_sums[i * groups + g]), total[i][v]);
+        __m512 sum = _mm512_fmadd_ps(partial[i][v], scales, _mm512_load_ps(total[i] + 16 * v));
+        sum = _mm512_fmadd_ps(zeros, _mm512_set1_ps(x_sums[i * groups + g]), sum);
+        _mm512_store_ps(total[i] + 16 * v, sum);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < 4; ++v) out.store16(i * n + 16 * v, total[i][v]);
+    for (int v = 0; v < 4; ++v) out.store16(i * n + 16 * v, _mm512_load_ps(total[i] + 16 * v));
   }
 }
 
-constexpr int kFewRowBlock = 3;  // 3 x 4 x 2 accumulators + 4 weight vectors + 1 input + 2 constants of 32 registers
+constexpr int kFewRowBlock = 6;  // 6 x 4 partial sums + 4 weight vectors + 1 input + 2 constants of 32 registers
 
 inline void int4_few_row_block(int64_t rows, const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block,
                                int64_t groups, const uint16_t* sz, int64_t n_total, int64_t block_row0, Out out,
@@ -218,7 +220,10 @@ inline void int4_few_row_block(int64_t rows, const uint16_t* x, int64_t k, const
   switch (rows) {
     case 1: int4_few_rows<1>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
     case 2: int4_few_rows<2>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    default: int4_few_rows<3>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    case 3: int4_few_rows<3>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    case 4: int4_few_rows<4>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    case 5: int4_few_rows<5>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
+    default: int4_few_rows<6>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
   }
 }
 

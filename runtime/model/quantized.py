@@ -46,8 +46,8 @@ INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole 
 DENSE_MIN_ROWS = 64
 # on a CPU with AVX512-BF16 kernels/quant_matmul.py takes every int4 matmul (bench/bench_quantized_linear.py,
 # BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2): the few-rows kernel beats torch's
-# at every size (1: 3.8 vs 7.3, 8: 11.9 vs 14.5) and the many-rows kernel beats it from INT4_MANY_ROWS on
-# (16: 18.4 vs 23.7, 64: 45.6 vs 66.2; torch 27.8 and 106.6), and the whole-layer unpack + oneDNN up to
+# at every size (1: 3.3 vs 5.3, 8: 10.1 vs 16.4) and the many-rows kernel beats it from 16-24 rows on
+# (16: 17.9 vs 16.3, 24: 22.8 vs 25.5, 64: 42.9 vs 53.3; torch 27.0 and 99.7), and the whole-layer unpack + oneDNN up to
 # 512 rows. The int8 LM head: ours from 1 row (2.2 vs 2.7 ms; 16: 5.2 vs 15.0) to INT8_BF16_DOT_MAX_ROWS,
 # past which the unpack + oneDNN wins (512 rows: 112 vs 144 ms)
 INT4_MANY_ROWS = 16

@@ -105,10 +105,11 @@ class SuffixProposer:
 class _PredictionCursor:
     """Where one sequence's output stands in its request's predicted tokens."""
 
-    __slots__ = ("position", "num_checked", "follow")
+    __slots__ = ("position", "last_aligned", "num_checked", "follow")
 
     def __init__(self) -> None:
         self.position: int | None = 0  # the predicted token expected next; None: lost, realign
+        self.last_aligned = 0  # the position the output last followed the prediction to
         self.num_checked = 0  # output tokens compared with the prediction so far
         # n-gram of the prediction -> the positions right after it, ascending; built on the first realign
         self.follow: dict[tuple[int, ...], list[int]] | None = None
@@ -120,51 +121,75 @@ class PredictionProposer:
     While the output follows the prediction, the draft is the prediction's next k tokens. Where
     the output departs from it, the cursor is lost; it is found again where the output's last
     REALIGN_MAX..REALIGN_MIN tokens occur in the prediction (the first occurrence after the
-    last aligned place, else the first anywhere), as an edit rejoins the text it edits.
+    last aligned place, else the first anywhere), as an edit rejoins the text it edits. Failing
+    that, the output's last token alone places a guess at its first occurrence after the last
+    aligned place (a paraphrase often rejoins at one word: "help before then, please" ->
+    "assistance before the weekend, please"); guesses are their own draft source, so the
+    policy learns their lower acceptance apart from the prediction's.
+
+        predicted:  Our store will be closed on Monday for inventory . Orders placed ...
+        output:     We  will  -> lost; " will" once, after the last aligned place (0) -> draft "be closed on ..."
     """
 
     REALIGN_MIN = 2
     REALIGN_MAX = 4
-    sources = ("prediction",)
-    source = "prediction"
+    sources = ("prediction", "prediction_guess")
 
     def __init__(self) -> None:
         self.cursors: dict[str, _PredictionCursor] = {}
+        self.source = "prediction"
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         predicted = seq.request.prediction_token_ids
+        self.source = "prediction"
         if not predicted:
             return []
         cursor = self.cursors.get(seq.seq_id)
         if cursor is None:
             cursor = self.cursors[seq.seq_id] = _PredictionCursor()
         tokens, num_output = seq.token_ids, seq.num_output_tokens  # no copy of the output per step
-        last_aligned = cursor.position or 0
         for token_id in tokens[seq.num_prompt_tokens + cursor.num_checked :]:
             if cursor.position is not None and cursor.position < len(predicted) and predicted[cursor.position] == token_id:
                 cursor.position += 1
+                cursor.last_aligned = cursor.position
             else:
                 cursor.position = None
         cursor.num_checked = num_output
-        if cursor.position is None:
-            cursor.position = self._realign(cursor, predicted, tokens, num_output, last_aligned)
-        if cursor.position is None:
+        if cursor.position is not None:
+            return list(predicted[cursor.position : cursor.position + k])
+        cursor.position = self._realign(cursor, predicted, tokens, num_output)
+        if cursor.position is not None:
+            return list(predicted[cursor.position : cursor.position + k])
+        guess = self._guess(cursor, tokens, num_output)
+        if guess is None:
             return []
-        return list(predicted[cursor.position : cursor.position + k])
+        self.source = "prediction_guess"  # the cursor stays lost: the next step checks the guess's outcome afresh
+        return list(predicted[guess : guess + k])
 
-    def _realign(self, cursor: _PredictionCursor, predicted: list[int], tokens: list[int], num_output: int,
-                 after: int) -> int | None:
-        """Where the output's last n tokens (n = REALIGN_MAX..REALIGN_MIN, all output) occur in the prediction."""
-        if cursor.follow is None:  # once per sequence: realigning then costs a lookup per n, not a scan
+    def _follow(self, cursor: _PredictionCursor, predicted: list[int]) -> dict[tuple[int, ...], list[int]]:
+        """n-gram (n = 1..REALIGN_MAX) -> the positions right after it, ascending; built once per sequence."""
+        if cursor.follow is None:  # realigning then costs a lookup per n, not a scan
             cursor.follow = {}
-            for n in range(self.REALIGN_MIN, self.REALIGN_MAX + 1):
+            for n in range(1, self.REALIGN_MAX + 1):
                 for end in range(n, len(predicted) + 1):
                     cursor.follow.setdefault(tuple(predicted[end - n : end]), []).append(end)
+        return cursor.follow
+
+    def _realign(self, cursor: _PredictionCursor, predicted: list[int], tokens: list[int], num_output: int) -> int | None:
+        """Where the output's last n tokens (n = REALIGN_MAX..REALIGN_MIN, all output) occur in the prediction."""
+        follow = self._follow(cursor, predicted)
         for n in range(min(self.REALIGN_MAX, num_output), self.REALIGN_MIN - 1, -1):
-            found = cursor.follow.get(tuple(tokens[-n:]))
+            found = follow.get(tuple(tokens[-n:]))
             if found:
-                return next((end for end in found if end >= after), found[0])
+                return next((end for end in found if end >= cursor.last_aligned), found[0])
         return None
+
+    def _guess(self, cursor: _PredictionCursor, tokens: list[int], num_output: int) -> int | None:
+        """Where the output's last token first occurs in the prediction after the last aligned place; None if not."""
+        if num_output == 0 or cursor.follow is None:
+            return None
+        found = cursor.follow.get((tokens[-1],), ())
+        return next((end for end in found if end > cursor.last_aligned), None)
 
     def forget(self, seq: Sequence) -> None:
         self.cursors.pop(seq.seq_id, None)

@@ -111,6 +111,19 @@ def test_int4_few_rows_matches_the_unrounded_reference(out_features, in_features
                                 magnitude)
 
 
+@pytest.mark.parametrize("rows", [2, 4, 6, 7, 9, 13])
+def test_int4_few_rows_a_row_does_not_depend_on_the_rows_beside_it(rows):
+    # a verification step multiplies k + 1 rows where a decode multiplies one: greedy identity needs
+    # each row's result bit for bit the same whichever rows came with it (and however they are blocked)
+    torch.manual_seed(rows)
+    weight = Int4Weight.quantize(torch.randn(192, 576) * 0.1)
+    x = torch.randn(rows, 576).bfloat16()
+    together = quant_matmul.int4_matmul_few_rows(x, weight.packed, weight.scales_zeros)
+    for i in range(rows):
+        alone = quant_matmul.int4_matmul_few_rows(x[i : i + 1], weight.packed, weight.scales_zeros)
+        assert torch.equal(together[i : i + 1], alone), i
+
+
 def test_int4_few_rows_a_wrong_weight_is_caught():
     torch.manual_seed(1)
     weight = Int4Weight.quantize(torch.randn(64, 64) * 0.1)

@@ -84,3 +84,22 @@ def test_a_seeded_sampled_request_drafts_whatever_the_clock_says(stories_dir):
         run(spec, [spec.tokenizer.encode(story)], SamplingParams(max_tokens=30, temperature=0.8, seed=seed))
         drafted[name] = spec.speculator.stats.num_draft_tokens
     assert drafted["unseeded"] == 0 and drafted["seeded"] > 0
+
+
+def test_a_draft_position_never_reached_borrows_the_rate_of_the_one_before_it():
+    """A source verified only 3 drafts at a time, all kept: its later positions are estimated at its
+    observed rate, not held at the prior (else it would never try them, and never learn they pay)."""
+    from runtime.speculative.speculator import Speculator
+    from tests.runtime.helpers import make_seq
+
+    speculator = Speculator(None)  # `prediction` only: k = 8
+    seq = make_seq("a", [1, 2, 3], max_tokens=100)
+    seq.draft_source = "prediction"
+    for _ in range(20):
+        speculator.record(seq, 3, 3)
+    gains = speculator._gains(seq, 8)
+    observed = speculator.source_continuation["prediction"]
+    assert observed[1] > 0.9 and observed[2] > 0.9 and observed[3] == speculator.prior  # position 3 never reached
+    assert gains[3] == pytest.approx(gains[2] * observed[2]) and gains[7] > 0.5
+    speculator.record(seq, 5, 3)  # now position 3 was reached, and refused: it has its own rate
+    assert speculator._gains(seq, 8)[3] < speculator._gains(seq, 8)[2] * speculator.source_continuation["prediction"][2]

@@ -67,6 +67,32 @@ def test_a_prediction_realigns_where_the_output_rejoins_it_after_an_edit():
     assert proposer.propose(_seq_with_prediction([], [1]), 2) == []  # no prediction: no drafts
 
 
+def test_a_paraphrase_that_rejoins_at_one_word_is_guessed_there_as_its_own_source():
+    predicted = [10, 11, 12, 13, 14, 15, 16, 11, 17]
+    proposer = PredictionProposer()
+    seq = _seq_with_prediction(predicted, [10, 11])
+    assert proposer.propose(seq, 2) == [12, 13] and proposer.source == "prediction"
+    seq.token_ids += [99, 14]  # "help before then" -> "assistance before ...": one word in common, no 2-gram
+    assert proposer.propose(seq, 3) == [15, 16, 11] and proposer.source == "prediction_guess"
+    seq.token_ids += [15, 16]  # the guess was right: the 2-gram "15 16" realigns, and the prediction drafts again
+    assert proposer.propose(seq, 2) == [11, 17] and proposer.source == "prediction"
+    lost = _seq_with_prediction(predicted, [10, 11, 12, 13, 14, 88, 11])
+    # "11" occurs in the prediction before where the output last followed it (at 1) and after it (at 7)
+    proposer = PredictionProposer()
+    assert proposer.propose(lost, 1) == [17] and proposer.source == "prediction_guess"
+    behind = _seq_with_prediction(predicted, [10, 11, 12, 13, 14, 15, 16, 11, 88, 10])
+    assert PredictionProposer().propose(behind, 2) == []  # "10" only before the last aligned place: no guess
+
+
+def test_a_lost_step_does_not_forget_where_the_output_last_followed_the_prediction():
+    predicted = [1, 2, 3, 4, 1, 2, 5, 6]  # "1 2" twice
+    proposer = PredictionProposer()
+    seq = _seq_with_prediction(predicted, [1, 2, 3, 4, 1, 2, 9])
+    assert proposer.propose(seq, 2) == []  # lost; "9" is nowhere in the prediction
+    seq.token_ids += [1, 2]
+    assert proposer.propose(seq, 2) == [5, 6]  # the "1 2" after the last aligned place, not the first one
+
+
 @pytest.mark.parametrize("bad", [(0, 2), (3, 2)])
 def test_lookup_bounds_are_checked(bad):
     with pytest.raises(ValueError):

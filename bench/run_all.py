@@ -43,6 +43,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "structured": ["bench_structured.py"],
     "speculative": ["bench_speculative.py"],
     "speculative_serving": ["bench_speculative_serving.py"],
+    "fairness": ["bench_fairness.py"],
     "profile_speculative": ["profile_speculative.py"],
 }
 

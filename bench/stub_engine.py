@@ -33,7 +33,8 @@ class StubEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def prepare_request(self, request_id, prompt, params=None, cache_salt=None, shared_prefix_len=0, pin_id=None,
-                        prompt_param="prompt", grammar=None, prediction=None) -> Request:
+                        prompt_param="prompt", grammar=None, prediction=None, tenant="default", tenant_weight=1.0,
+                        priority=0) -> Request:
         params = params or SamplingParams()
         if params.structured_outputs is not None:
             raise InvalidRequestError("the stub engine does not constrain outputs", param=params.structured_outputs.param)

@@ -106,6 +106,10 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pinned_block_budget: int = 64  # pages that pinned prefixes may hold in all
     quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its Q4/Q8), none, int8, int4
     speculative_config: SpeculativeConfig | None = None  # None: no method (a request's `prediction` still drafts)
+    # who is admitted next: "fcfs" (arrival order) or "fair" (virtual token counters per tenant, runtime/fairness.py)
+    scheduling: str = "fcfs"
+    fair_input_weight: float = 1.0  # a computed prompt token's weight in a tenant's counter (the VTC paper's w_p)
+    fair_output_weight: float = 2.0  # a generated token's (w_q): a decode costs about twice a prompt token
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -120,6 +124,11 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ConfigError(f"engine.quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.scheduling not in ("fcfs", "fair"):
+            raise ConfigError(f"engine.scheduling must be fcfs or fair, got {self.scheduling!r}")
+        if self.fair_input_weight < 0 or self.fair_output_weight < 0 or \
+                self.fair_input_weight + self.fair_output_weight <= 0:
+            raise ConfigError("engine.fair_input_weight and fair_output_weight must be >= 0, not both 0")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 

@@ -37,6 +37,7 @@ from runtime.speculative.draft_model import DraftModelProposer
 from runtime.speculative.speculator import Speculator
 from runtime.tokenizer import ByteTokenizer
 
+PIN_TENANT = "(pins)"  # fair scheduling's party for pin prefills: the operator's, no tenant's
 log = structlog.get_logger(__name__)
 
 
@@ -71,7 +72,8 @@ class Engine(RequestBuilder):
                                                                tuple(sorted(eos))))
         self.eos_token_ids = frozenset(self.limits.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens,
+                                   settings.scheduling, settings.fair_input_weight, settings.fair_output_weight)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
@@ -165,9 +167,13 @@ class Engine(RequestBuilder):
         cache_salt: str | bytes | None = None,
         shared_prefix_len: int = 0,
         prediction: str | list[int] | None = None,
+        tenant: str = "default",
+        tenant_weight: float = 1.0,
+        priority: int = 0,
     ) -> None:
         """`add(prepare_request(...))`: validate and queue, for callers that drive the engine directly."""
-        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, prediction=prediction))
+        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, prediction=prediction,
+                                      tenant=tenant, tenant_weight=tenant_weight, priority=priority))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
@@ -200,7 +206,7 @@ class Engine(RequestBuilder):
         """
         request = self.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt,
                                        SamplingParams(max_tokens=1, temperature=0), cache_salt, shared_prefix_len,
-                                       pin_id, prompt_param="text")
+                                       pin_id, prompt_param="text", tenant=PIN_TENANT)
         num_pages = len(request.prompt_token_ids) // self.block_size
         held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
         held += sum(pages for pid, (_, pages) in self._pending_pins.items() if pid != pin_id)
@@ -239,6 +245,7 @@ class Engine(RequestBuilder):
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request that got new tokens or finished."""
         outputs = [self._make_output(request) for request in self._take_ended()]
+        self.scheduler.make_room()  # a fair-share preemption first: no drafts are made for its victim
         self.speculator.propose(self.scheduler.running, self.scheduler.num_pending_prompt_tokens, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.is_empty:
@@ -310,6 +317,7 @@ class Engine(RequestBuilder):
 
     def _append_token(self, seq: Sequence, token_id: int, token_logprobs: dict[int, float] | None) -> None:
         seq.append_token(token_id)
+        self.scheduler.served_output(seq)
         if token_logprobs is not None:
             seq.logprobs.append(token_logprobs)
             seq.cumulative_logprob += token_logprobs[token_id]
@@ -441,6 +449,8 @@ class Engine(RequestBuilder):
             "spec_decode_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
             "spec_decode_accepted_per_position": list(self.speculator.stats.accepted_per_position),
             **self._draft_stats(),
+            "scheduling": self.scheduler.policy,
+            "tenants": self.scheduler.tenant_stats(),
         }
 
     def _draft_stats(self) -> dict:

@@ -39,6 +39,9 @@ class Request:
         grammar=None,
         prediction_token_ids: list[int] | None = None,
         min_tokens_held_back: list[int] | None = None,
+        tenant: str = "default",
+        tenant_weight: float = 1.0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -46,6 +49,10 @@ class Request:
         self.params = params
         self.cache_salt = cache_salt
         self.num_shared_blocks = num_shared_blocks  # leading blocks hashed without the salt (shared prefix)
+        self.tenant = tenant  # who is served: fair scheduling's party (runtime/fairness.py)
+        self.tenant_weight = tenant_weight  # the tenant's share weight (its plan's), > 0
+        self.priority = priority  # vLLM's field: lower first, among the tenant's own requests (fair scheduling)
+        self.arrival_order = -1  # set by the scheduler when first queued
         self.pin_id = pin_id  # set for a pinned-prefix prefill: its full pages stay held when it ends
         self.grammar = grammar  # grammar.CompiledGrammar of params.structured_outputs, compiled before queueing
         bias = params.logit_bias
@@ -77,6 +84,7 @@ class Sequence:
         self.token_ids = token_ids  # prompt + outputs
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_charged_prompt_tokens = 0  # prompt tokens counted as the tenant's service (never twice)
         self.block_hashes: list[bytes] = []  # of full blocks of token_ids, chained and salted
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -137,6 +145,7 @@ class Sequence:
         """A new sample of the same request, at the same point, with its own sampling state."""
         child = Sequence(self.request, index, list(self.token_ids), detokenizer)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_charged_prompt_tokens = self.num_charged_prompt_tokens  # the shared prompt was charged once
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
         if self.penalty_counts is not None:

@@ -54,6 +54,9 @@ class RequestBuilder:
         prompt_param: str = "prompt",
         grammar: CompiledGrammar | None = None,
         prediction: str | list[int] | None = None,
+        tenant: str = "default",
+        tenant_weight: float = 1.0,
+        priority: int = 0,
     ) -> Request:
         """Validate a request once and build it.
 
@@ -71,9 +74,16 @@ class RequestBuilder:
 
         `prediction` (OpenAI's Predicted Outputs: text, or token ids) is the output the caller
         expects; it drafts for speculative decoding and never changes the output.
+
+        `tenant`, its share `tenant_weight` and `priority` (lower first) are what fair scheduling
+        orders by (runtime/fairness.py); a priority that is not an integer raises InvalidRequestError.
         """
         limits = self.limits
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        if not tenant_weight > 0:
+            raise InvalidRequestError(f"a tenant's weight must be > 0, got {tenant_weight}", param="tenant_weight")
         if params.n > limits.max_num_seqs:
             raise InvalidRequestError(f"n is {params.n}, but this server runs at most {limits.max_num_seqs} "
                                       "sequences at once (engine.max_num_seqs)", param="n")
@@ -100,7 +110,8 @@ class RequestBuilder:
         return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, salt,
                        num_shared_blocks=min(shared_prefix_len, len(token_ids)) // limits.block_size, pin_id=pin_id,
                        grammar=grammar if params.structured_outputs is not None else None,
-                       prediction_token_ids=predicted, min_tokens_held_back=held_back)
+                       prediction_token_ids=predicted, min_tokens_held_back=held_back, tenant=tenant,
+                       tenant_weight=tenant_weight, priority=priority)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Raise InvalidRequestError unless prompt + max_tokens fits the context and the page pool."""

@@ -6,25 +6,32 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
   1. running sequences with one token to go (decodes), oldest first;
   2. running sequences with more to go (prefill chunks), oldest first, each chunk cut to
      the budget left, so a long prompt never stalls the decodes;
-  3. waiting sequences, first come first served, each starting after its longest cached
-     prefix (pages scheduled earlier in the same step count: identical prefixes arriving
-     together are computed once); none are admitted in a step that had to preempt.
+  3. waiting sequences, in the waiting queue's order (runtime/fairness.py: first come first
+     served, or fair across tenants by virtual token counters), each starting after its
+     longest cached prefix (pages scheduled earlier in the same step count: identical
+     prefixes arriving together are computed once); none are admitted in a step that had to
+     preempt.
 
 A decode may carry drafts (speculative decoding: seq.draft_token_ids, set before the step):
 they ride in the same entry after its token, count against the budget, and are cut to the
 pages that can be had without preempting; only the sequence's own tokens are ever hashed.
 
 When the pool cannot cover a running sequence's tokens, the newest running sequence not
-yet scheduled this step is preempted: its pages go back, its computed count drops to 0,
-and it waits at the head of the queue to be recomputed (its tokens are kept, so its output
-does not change). If that sequence is the one asking, it preempts itself.
+yet scheduled this step (under "fair": of the tenant furthest ahead, if it has one) is
+preempted: its pages go back, its computed count drops to 0, and it waits at the head of
+its line to be recomputed (its tokens are kept, so its output does not change). If that
+sequence is the one asking, it preempts itself. Under "fair", a step may also begin by
+preempting one sequence of the tenant furthest ahead so that a tenant below its share of
+seats can start (fairness.py says when).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
+from runtime.fairness import SCHEDULING_POLICIES, FairQueue, FcfsQueue, VirtualTokenCounters
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Sequence, SequenceStatus
 
@@ -79,19 +86,43 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running list; moves sequences between them."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+                 input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.counters = VirtualTokenCounters(input_weight, output_weight)  # kept under fcfs too: the metrics
+        self.waiting: FcfsQueue | FairQueue = FairQueue(self.counters) if policy == "fair" else FcfsQueue()
         self.running: list[Sequence] = []
+        self._arrivals = itertools.count()  # arrival order of requests (a preempted one keeps its place)
+        self._room_made = False  # make_room ran for the coming step
+        self.num_fair_preemptions = 0  # of num_preemptions: a seat taken for a tenant below its share
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up, at first scheduling
         self.prefix_cache_hits = 0  # of which found in cached pages
         self._scheduled: list[Sequence] = []  # the last schedule()'s sequences, in its entries' order
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a new sequence. Under "fair", a tenant with nothing waiting is lifted to the floor of the
+        tenants that have (or, if none has, of those running): waiting banks no credit."""
+        request = seq.request
+        tenant = request.tenant
+        if request.arrival_order < 0:
+            request.arrival_order = next(self._arrivals)
+        self.counters.register(tenant, request.tenant_weight)
+        if isinstance(self.waiting, FairQueue) and not self.waiting.depth(tenant):
+            self.counters.lift(tenant, self.waiting.tenants() or self.seats_by_tenant())
+        self.waiting.push(seq)
+
+    def seats_by_tenant(self) -> Counter[str]:
+        """Seats each tenant holds: its running sequences (a pending fork holds its n)."""
+        seats: Counter[str] = Counter()
+        for seq in self.running:
+            seats[seq.request.tenant] += self._num_seats(seq)
+        return seats
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -109,6 +140,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         preempted = False
+        if not self._room_made:  # the engine calls make_room before drafting; direct callers get it here
+            self.make_room()
+        self._room_made = False
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         plain = [s for s in decodes if not s.draft_token_ids]  # one-token decodes lead the batch
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -158,10 +192,64 @@ class Scheduler:
         """Sequences this one will be: n while its fork is pending, else 1."""
         return seq.request.params.n if seq.request.fork_pending else 1
 
+    def _share(self, tenant: str, active: set[str]) -> float:
+        """The tenant's weighted share of max_num_seqs among the active tenants."""
+        weights = self.counters.weights
+        return self.max_num_seqs * weights[tenant] / sum(weights[t] for t in active | {tenant})
+
+    def _below_share(self, seats: Counter[str]) -> set[str]:
+        """Waiting tenants that could start one more sequence and stay within their share of seats."""
+        if self.policy != "fair":
+            return set()
+        waiting = self.waiting.tenants()
+        active = set(seats) | set(waiting)
+        return {t for t in waiting if seats[t] + 1 <= self._share(t, active)}
+
+    def make_room(self) -> None:
+        """Under "fair", before a step (and before drafts are made for it): preempt one sequence of the
+        tenant furthest ahead if the next waiting sequence cannot start otherwise.
+
+        Only where the waiting tenant stays within its share of seats by starting, its counter is
+        smaller than the victim tenant's, and the victim tenant keeps at least its own share: two
+        backlogged tenants never take seats back and forth (shares need not be whole numbers).
+        The victim is that tenant's latest-arrived running request, so a request already
+        preempted once (it keeps its place in arrival order) is not the next one taken again.
+        """
+        self._room_made = True
+        if self.policy != "fair" or not self.waiting:
+            return
+        seats = self.seats_by_tenant()
+        head = self.waiting.peek(self._below_share(seats))
+        tenant = head.request.tenant
+        needed = self._num_seats(head)
+        if sum(self._num_seats(s) for s in self.running) + needed <= self.max_num_seqs:
+            cached = self.kv.find_cached_prefix(head)
+            first_chunk = min(head.num_tokens - len(cached) * self.kv.block_size,
+                              max(1, self.max_num_batched_tokens - len(self.running)))
+            if self.kv.can_allocate(head, first_chunk, cached):
+                return  # it starts this step without anyone's seat
+        active = set(seats) | set(self.waiting.tenants())
+        if seats[tenant] + needed > self._share(tenant, active):
+            return
+        counters = self.counters.counters
+        ahead = [t for t, held in seats.items()
+                 if t != tenant and held - 1 >= self._share(t, active) and counters[t] > counters[tenant]]
+        if not ahead:
+            return
+        victim_tenant = max(ahead, key=lambda t: counters[t])
+        victim = max((s for s in self.running if s.request.tenant == victim_tenant and not s.request.fork_pending),
+                     key=lambda s: s.request.arrival_order, default=None)
+        if victim is None:
+            return
+        self.preempt(victim)
+        self.num_fair_preemptions += 1
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str]) -> int:
         num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
+        seats = self.seats_by_tenant() if self.policy == "fair" else Counter()
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            first = self._below_share(seats)
+            seq = self.waiting.peek(first)
             request = seq.request
             if num_seats + self._num_seats(seq) > self.max_num_seqs and self.running:
                 break
@@ -176,7 +264,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += num_cached
-            self.waiting.popleft()
+            self.waiting.pop(first)
+            seats[request.tenant] += self._num_seats(seq)
             seq.status = SequenceStatus.RUNNING
             seq.draft_token_ids = []
             self.running.append(seq)
@@ -189,6 +278,14 @@ class Scheduler:
                       scheduled: set[str]) -> None:
         start = seq.num_computed_tokens
         caught_up = start + num_new == seq.num_tokens
+        # prompt tokens computed for the first time are the tenant's service (a recomputation is not),
+        # charged as they are scheduled (as VTC does): the next admission in this step already sees them
+        # (only tokens computed: a prefix hit's tokens are below `start`)
+        end = min(start + num_new, seq.num_prompt_tokens)
+        fresh = end - max(start, seq.num_charged_prompt_tokens)
+        if fresh > 0:
+            self.counters.charge(seq.request.tenant, num_input=fresh)
+        seq.num_charged_prompt_tokens = max(seq.num_charged_prompt_tokens, end)
         if num_new == 1 and batch.num_decodes == len(batch.entries):  # a decode, with or without drafts
             batch.num_decodes += 1
         batch.entries.append(ScheduledSequence(
@@ -199,10 +296,14 @@ class Scheduler:
         scheduled.add(seq.seq_id)
 
     def _pick_victim(self, asking: Sequence, scheduled: set[str]) -> Sequence:
-        for seq in reversed(self.running):
-            if seq is not asking and seq.seq_id not in scheduled:
-                return seq
-        return asking
+        """The newest running sequence not scheduled this step (under "fair": the furthest-ahead tenant's first)."""
+        candidates = [s for s in reversed(self.running) if s is not asking and s.seq_id not in scheduled]
+        if not candidates:
+            return asking
+        if self.policy == "fair":
+            counters = self.counters.counters
+            return max(candidates, key=lambda s: (counters[s.request.tenant], s.request.arrival_order))
+        return candidates[0]
 
     def preempt(self, seq: Sequence) -> None:
         """Give back the sequence's pages; it will be recomputed from its tokens."""
@@ -211,7 +312,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
         self.num_preemptions += 1
 
     def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, list[int]]]:
@@ -235,6 +336,21 @@ class Scheduler:
             row += entry.num_sample_rows
         self._scheduled = []
         return to_sample
+
+    def served_output(self, seq: Sequence) -> None:
+        """A token was generated for the sequence: its tenant's service."""
+        self.counters.charge(seq.request.tenant, num_output=1)
+
+    def tenant_stats(self) -> dict[str, dict]:
+        """Per tenant: virtual counter, tokens served (prompt computed, generated), sequences waiting and running."""
+        counters = self.counters
+        waiting = Counter(s.request.tenant for s in self.waiting)
+        running = Counter(s.request.tenant for s in self.running)
+        return {tenant: {"virtual_tokens": counters.counters[tenant], "weight": counters.weights[tenant],
+                         "served_input_tokens": counters.served_input[tenant],
+                         "served_output_tokens": counters.served_output[tenant],
+                         "num_waiting": waiting[tenant], "num_running": running[tenant]}
+                for tenant in counters.counters}
 
     def accept_draft(self, seq: Sequence) -> None:
         """A verified draft is kept: its KV, written this step, now counts as computed."""

@@ -77,7 +77,8 @@ class ModelLike(Protocol):
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
                         prompt_param: str = "prompt", grammar: CompiledGrammar | None = None,
-                        prediction: str | list[int] | None = None) -> Request: ...
+                        prediction: str | list[int] | None = None, tenant: str = "default",
+                        tenant_weight: float = 1.0, priority: int = 0) -> Request: ...
 
 
 class EngineLike(ModelLike, Protocol):

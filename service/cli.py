@@ -74,6 +74,7 @@ def _settings(args: argparse.Namespace):
             "server": server,
             "engine": {"device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
                        "max_num_seqs": args.max_num_seqs, "quantization": args.quantization,
+                       "scheduling": args.scheduling,
                        "speculative_config": parse_speculative_config(args.speculative_config)},
             "distributed": distributed,
         })
@@ -117,6 +118,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
+    parser.add_argument("--scheduling", choices=("fcfs", "fair"), default=None,
+                        help="who starts next: fcfs (arrival order, the default) or fair (per-tenant virtual token "
+                             "counters, weighted by each plan's weight)")
     parser.add_argument("--discovery-dir", default=None,
                         help="Dynamo file discovery folder, shared by the front doors and workers of one cluster")
     parser.add_argument("--namespace", default=None, help="Dynamo namespace (default: pagedserve)")

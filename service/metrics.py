@@ -52,7 +52,28 @@ class EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._tenant_metrics(stats.get("tenants", {}))
         yield from self._vllm_metrics(stats)
+
+    @staticmethod
+    def _tenant_metrics(tenants: dict[str, dict]):
+        """Per tenant: service counted (fair scheduling's counters, and tokens), and its queue."""
+        for name, doc, key, family in (
+            ("pagedserve_tenant_virtual_tokens", "The tenant's virtual token counter (weighted service / its weight).",
+             "virtual_tokens", GaugeMetricFamily),
+            ("pagedserve_tenant_served_prompt_tokens", "Prompt tokens computed for the tenant (cache hits excluded).",
+             "served_input_tokens", CounterMetricFamily),
+            ("pagedserve_tenant_served_output_tokens", "Tokens generated for the tenant.", "served_output_tokens",
+             CounterMetricFamily),
+            ("pagedserve_tenant_requests_waiting", "The tenant's sequences waiting to be scheduled.", "num_waiting",
+             GaugeMetricFamily),
+            ("pagedserve_tenant_requests_running", "The tenant's sequences in the running batch.", "num_running",
+             GaugeMetricFamily),
+        ):
+            metric = family(name, doc, labels=["tenant"])
+            for tenant, row in sorted(tenants.items()):
+                metric.add_metric([tenant], row[key])
+            yield metric
 
     def _vllm_metrics(self, stats: dict):
         labels = {"model_name": self.model_name, "engine": "0"}

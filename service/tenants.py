@@ -7,6 +7,7 @@ The tenants file (TOML, `--tenants FILE`; example in config/tenants.example.toml
     input_per_mtok = 0.50
     cached_input_per_mtok = 0.05
     output_per_mtok = 1.50
+    weight = 1                             # share of the engine under engine.scheduling = "fair" (default 1)
     [plans.standard.models."stories260K"]  # optional per-model prices
     input_per_mtok = 0.10 ...
     [tenants.acme]
@@ -49,6 +50,7 @@ class PlanPrices(msgspec.Struct, forbid_unknown_fields=True):
 
 class PlanConfig(PlanPrices, forbid_unknown_fields=True):
     models: dict[str, PlanPrices] = {}
+    weight: float = 1.0  # the plan's share under fair scheduling (runtime/fairness.py)
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -89,6 +91,7 @@ class Tenant:
     model_plans: dict[str, PricePlan] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     is_admin: bool = False
+    weight: float = 1.0  # its plan's share of the engine under fair scheduling
 
     def price_plan(self, model: str) -> PricePlan:
         return self.model_plans.get(model, self.plan)
@@ -131,10 +134,12 @@ class TenantDirectory:
             if config.plan not in plans:
                 raise ConfigError(f"tenants.{tenant_id}.plan: no plan named {config.plan!r}")
             plan_config = spec.plans[config.plan]
+            if not plan_config.weight > 0:
+                raise ConfigError(f"plans.{config.plan}.weight must be > 0, got {plan_config.weight}")
             model_plans = {m: _plan(p, f"plans.{config.plan}.models.{m}") for m, p in plan_config.models.items()}
             limits = Limits(requests_per_minute=config.requests_per_minute,
                             tokens_per_minute=config.tokens_per_minute, max_concurrent=config.max_concurrent)
-            tenants[tenant_id] = Tenant(tenant_id, plans[config.plan], model_plans, limits)
+            tenants[tenant_id] = Tenant(tenant_id, plans[config.plan], model_plans, limits, weight=plan_config.weight)
             for hex_digest in config.keys_sha256:
                 key_hashes.append((_digest(hex_digest, f"tenants.{tenant_id}.keys_sha256"), tenant_id))
         admin = [_digest(h, "admin_keys_sha256") for h in spec.admin_keys_sha256]
@@ -160,7 +165,8 @@ class TenantDirectory:
         if found is None:
             return Tenant("admin", FREE, is_admin=True)
         tenant = self.tenants[found]
-        return tenant if not is_admin else Tenant(tenant.tenant_id, tenant.plan, tenant.model_plans, tenant.limits, True)
+        return tenant if not is_admin else Tenant(tenant.tenant_id, tenant.plan, tenant.model_plans, tenant.limits, True,
+                                                  tenant.weight)
 
     def cache_salt(self, tenant_id: str, client_salt: str | None = None) -> bytes:
         """HMAC(secret, tenant [+ client salt]): a client salt can only split a tenant's cache further."""

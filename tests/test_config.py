@@ -35,6 +35,11 @@ def test_bad_values_are_errors():
         load_settings(environ={}, overrides={"engine": {"block_size": 12}})
     with pytest.raises(ConfigError, match="port"):
         load_settings(environ={"PAGEDSERVE_SERVER_PORT": "not-a-number"})
+    with pytest.raises(ConfigError, match="scheduling"):
+        load_settings(environ={}, overrides={"engine": {"scheduling": "lottery"}})
+    with pytest.raises(ConfigError, match="fair_input_weight"):
+        load_settings(environ={}, overrides={"engine": {"fair_input_weight": -1.0}})
+    assert load_settings(environ={"PAGEDSERVE_ENGINE_SCHEDULING": "fair"}).engine.scheduling == "fair"
 
 
 def test_file_values_stay_strict_even_with_environment_overrides(tmp_path):

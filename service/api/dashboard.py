@@ -21,6 +21,9 @@ An event's data is one JSON object (compact: what the page draws, no prompt text
     counters         num_used_blocks, num_cached_blocks, num_free_blocks, num_kv_tokens,
                      num_running, num_waiting, prefix_cache_queries, prefix_cache_hits (tokens),
                      num_preemptions
+    scheduling       "fcfs" or "fair"
+    tenants          one row per tenant served: [tenant, virtual token counter, weight, prompt
+                     tokens computed, tokens generated, sequences waiting, sequences running]
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ def compact_page_map(snapshot: dict, model: str, max_model_len: int) -> dict:
         "seqs": seqs,
         "contiguous_pages": len(seqs) * -(-max_model_len // block_size),
         "counters": {name: stats.get(name, 0) for name in COUNTERS},
+        "scheduling": stats.get("scheduling", "fcfs"),
+        "tenants": [[tenant, round(row["virtual_tokens"], 1), row["weight"], row["served_input_tokens"],
+                     row["served_output_tokens"], row["num_waiting"], row["num_running"]]
+                    for tenant, row in sorted(stats.get("tenants", {}).items())],
     }
 
 

@@ -56,7 +56,8 @@ class Generation:
             shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix, body.prompt_cache_key)
             self.requests.append(state.engine.prepare_request(request_id, token_ids, params, cache_salt, shared,
                                                               prompt_param=body.prompt_param, grammar=grammar,
-                                                              prediction=self.prediction))
+                                                              prediction=self.prediction, tenant=tenant.tenant_id,
+                                                              tenant_weight=tenant.weight, priority=body.priority))
         self.wakeup = asyncio.Event()
         self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
         for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes

@@ -5,8 +5,8 @@ OpenAI's own spec makes: `null` in an optional field means its default, and a wh
 sent as a float (`"seed": 7.0`) is that integer (`7.5` is still a 400). Every official field
 has an answer (service/api/openai_fields.py: supported, accepted and ignored, or a 400 naming
 it). vLLM's extra fields are accepted: sampling (top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, include_stop_str_in_output, min_tokens) and structured outputs (structured_outputs,
-guided_json, guided_regex, guided_choice, guided_grammar).
+stop_token_ids, include_stop_str_in_output, min_tokens), scheduling (priority) and structured outputs
+(structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class VllmStructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by chat and completion requests. Every optional field may be null: its default."""
 
-    integer_fields: ClassVar[tuple[str, ...]] = ("n", "max_tokens", "seed", "top_k")
+    integer_fields: ClassVar[tuple[str, ...]] = ("n", "max_tokens", "seed", "top_k", "priority")
     token_id_fields: ClassVar[tuple[str, ...]] = ("stop_token_ids",)  # lists of integers
     prompt_param: ClassVar[str] = "prompt"  # the field a too-long prompt is reported under
 
@@ -175,6 +175,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     min_tokens: int | None = None
+    # scheduling: lower first among the tenant's own waiting requests (engine.scheduling = "fair"; fcfs: arrival order)
+    priority: int | None = None
     # prefix caching: a client salt splits the tenant's cache further; a prompt_cache_key
     # that an operator marked as shared selects that shared prefix
     cache_salt: str | None = None
@@ -196,6 +198,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+        self.priority = 0 if self.priority is None else self.priority
 
     def prediction_text(self) -> str | None:
         """A Predicted Outputs text, where the API has the field (chat)."""

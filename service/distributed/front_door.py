@@ -77,6 +77,15 @@ def sum_stats(per_worker: list[dict]) -> dict:
     per_position = [stats.get("spec_decode_accepted_per_position", []) for stats in per_worker]
     total["spec_decode_accepted_per_position"] = [sum(counts[i] for counts in per_position if i < len(counts))
                                                   for i in range(max(map(len, per_position), default=0))]
+    tenants: dict[str, dict] = {}  # per tenant, summed over workers (each worker keeps its own fair counters)
+    for stats in per_worker:
+        for tenant, row in stats.get("tenants", {}).items():
+            merged = tenants.setdefault(tenant, dict.fromkeys(row, 0))
+            for key, value in row.items():  # a worker's own counter is its own: the largest is shown
+                merged[key] = max(merged.get(key, 0), value) if key in ("weight", "virtual_tokens") \
+                    else merged.get(key, 0) + value
+    total["tenants"] = tenants
+    total["scheduling"] = per_worker[0].get("scheduling", "fcfs") if per_worker else "fcfs"
     return total
 
 

@@ -30,6 +30,9 @@ class Generate(msgspec.Struct, tag="generate"):
     cache_salt: str | None  # hex of the tenant salt
     num_shared_blocks: int  # leading blocks hashed without the salt (an operator-shared prefix)
     prediction_token_ids: list[int] = []  # Predicted Outputs, tokenized by the front door: the worker drafts from it
+    tenant: str = "default"  # fair scheduling's party on the worker (each worker is fair on its own)
+    tenant_weight: float = 1.0
+    priority: int = 0
 
 
 class Pin(msgspec.Struct, tag="pin"):
@@ -135,7 +138,8 @@ def decode_frame(obj: Any) -> Frame:
 def generate_call(request: Request) -> Generate:
     """The wire form of a request built by RequestBuilder.prepare_request."""
     return Generate(request.request_id, request.prompt_token_ids, msgspec.to_builtins(request.params),
-                    salt_hex(request.cache_salt), request.num_shared_blocks, request.prediction_token_ids)
+                    salt_hex(request.cache_salt), request.num_shared_blocks, request.prediction_token_ids,
+                    request.tenant, request.tenant_weight, request.priority)
 
 
 def salt_hex(salt: bytes | None) -> str | None:

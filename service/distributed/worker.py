@@ -88,7 +88,8 @@ class Worker:
             request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
                                                   wire.salt_bytes(call.cache_salt),
                                                   call.num_shared_blocks * self.engine.block_size, grammar=grammar,
-                                                  prediction=call.prediction_token_ids)
+                                                  prediction=call.prediction_token_ids, tenant=call.tenant,
+                                                  tenant_weight=call.tenant_weight, priority=call.priority)
         except InvalidRequestError as exc:
             yield wire.failure_of(exc)
             return

@@ -93,3 +93,10 @@ def test_a_quiet_request_on_the_worker_sends_heartbeats_between_its_items():
     got = asyncio.run(collect())
     assert got[-2:] == ["a", "b"] and set(got[:-2]) == {None} and 2 <= len(got) - 2 <= 4
     assert msgspec.convert(wire.encode(wire.Waiting()), wire.Frame) == wire.Waiting()
+
+
+def test_a_request_carries_its_tenant_weight_and_priority_to_the_worker():
+    request = Request("r2", None, [1, 2, 3], SamplingParams(max_tokens=2), b"\x01", tenant="acme", tenant_weight=3.0,
+                      priority=-1)
+    call = wire.decode_call(_json_round_trip(wire.encode(wire.generate_call(request))))
+    assert (call.tenant, call.tenant_weight, call.priority) == ("acme", 3.0, -1)  # each worker is fair on its own

@@ -1,0 +1,55 @@
+"""Fair scheduling through a real server: plan weights reach the engine, `priority` is a field, the counters show."""
+
+import openai
+import pytest
+import requests
+
+from tests.service.conftest import run_server, stories_settings, write_tenants_file
+
+KEYS = {"light": "sk-light-test", "heavy": "sk-heavy-test"}
+ADMIN_KEY = "sk-admin-fair"
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    tenants_file = write_tenants_file(
+        tmp_path_factory.mktemp("fair") / "tenants.toml",
+        {"light": {"keys": [KEYS["light"]], "plan": "basic"}, "heavy": {"keys": [KEYS["heavy"]], "plan": "gold"}},
+        plans={"basic": {"input_per_mtok": 0.5, "output_per_mtok": 1.5},
+               "gold": {"input_per_mtok": 0.5, "output_per_mtok": 1.5, "weight": 3}},
+        admin_keys=[ADMIN_KEY])
+    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file)}, scheduling="fair")
+    with run_server(settings) as running:
+        yield running
+
+
+def _metric(text: str, name: str, tenant: str) -> float:
+    prefix = f'{name}{{tenant="{tenant}"}} '
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert lines, f"{prefix!r} not in /metrics"
+    return float(lines[0].removeprefix(prefix))
+
+
+def test_tenants_are_served_and_counted_by_their_plan_weight(server):
+    for tenant in ("light", "heavy"):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0)
+        reply = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=8,
+                                          temperature=0, extra_body={"priority": -2, "ignore_eos": True})
+        assert reply.usage.completion_tokens == 8
+    server.wait_idle()
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for tenant in ("light", "heavy"):
+        assert _metric(text, "pagedserve_tenant_served_output_tokens_total", tenant) == 8
+        assert _metric(text, "pagedserve_tenant_requests_waiting", tenant) == 0
+    # the same service, weighted 1 and 3: the heavy plan's counter grew a third as much
+    light = _metric(text, "pagedserve_tenant_virtual_tokens", "light")
+    heavy = _metric(text, "pagedserve_tenant_virtual_tokens", "heavy")
+    prompt = _metric(text, "pagedserve_tenant_served_prompt_tokens_total", "heavy")
+    assert heavy == pytest.approx((prompt + 2 * 8) / 3) and light > heavy
+
+
+def test_priority_must_be_an_integer(server):
+    response = requests.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['light']}"},
+                             json={"model": "stories260K", "prompt": "Hi", "max_tokens": 2, "priority": "high"},
+                             timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"

@@ -41,7 +41,7 @@ class Process:
                 response = requests.get(self.url + "/ready", timeout=1)
                 if response.status_code == 200 and check(response.json()):
                     return response.json()
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy starting: poll on
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} was not ready within {timeout} s: {self.tail()}")

@@ -154,7 +154,7 @@ def shares_run(path, dtype: str, weights: tuple[float, float], seconds: float, n
 
     while driver.now() < seconds:
         for tenant, weight in tenants.items():  # keep each backlogged
-            while sum(1 for s in engine.scheduler.waiting if s.request.tenant == tenant) < BACKLOG:
+            while engine.scheduler.waiting.depth(tenant) < BACKLOG:
                 driver.add(tenant, SHARE_PROMPT, SHARE_OUTPUT, weight)
         driver.step()
         if driver.now() >= next_window:

@@ -113,7 +113,7 @@ class Scheduler:
         if request.arrival_order < 0:
             request.arrival_order = next(self._arrivals)
         self.counters.register(tenant, request.tenant_weight)
-        if isinstance(self.waiting, FairQueue) and not self.waiting.depth(tenant):
+        if self.policy == "fair" and not self.waiting.depth(tenant):
             self.counters.lift(tenant, self.waiting.tenants() or self.seats_by_tenant())
         self.waiting.push(seq)
 
@@ -192,6 +192,11 @@ class Scheduler:
         """Sequences this one will be: n while its fork is pending, else 1."""
         return seq.request.params.n if seq.request.fork_pending else 1
 
+    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list, int]:
+        """A waiting sequence's cached prefix pages and the tokens it would compute first, within `budget`."""
+        cached = self.kv.find_cached_prefix(seq)
+        return cached, min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+
     def _share(self, tenant: str, active: set[str]) -> float:
         """The tenant's weighted share of max_num_seqs among the active tenants."""
         weights = self.counters.weights
@@ -202,8 +207,12 @@ class Scheduler:
         if self.policy != "fair":
             return set()
         waiting = self.waiting.tenants()
-        active = set(seats) | set(waiting)
+        active = self._active_tenants(seats)
         return {t for t in waiting if seats[t] + 1 <= self._share(t, active)}
+
+    def _active_tenants(self, seats: Counter[str]) -> set[str]:
+        """Tenants holding seats or with sequences waiting."""
+        return set(seats) | set(self.waiting.tenants())
 
     def make_room(self) -> None:
         """Under "fair", before a step (and before drafts are made for it): preempt one sequence of the
@@ -222,13 +231,11 @@ class Scheduler:
         head = self.waiting.peek(self._below_share(seats))
         tenant = head.request.tenant
         needed = self._num_seats(head)
-        if sum(self._num_seats(s) for s in self.running) + needed <= self.max_num_seqs:
-            cached = self.kv.find_cached_prefix(head)
-            first_chunk = min(head.num_tokens - len(cached) * self.kv.block_size,
-                              max(1, self.max_num_batched_tokens - len(self.running)))
+        if sum(seats.values()) + needed <= self.max_num_seqs:
+            cached, first_chunk = self._first_chunk(head, max(1, self.max_num_batched_tokens - len(self.running)))
             if self.kv.can_allocate(head, first_chunk, cached):
                 return  # it starts this step without anyone's seat
-        active = set(seats) | set(self.waiting.tenants())
+        active = self._active_tenants(seats)
         if seats[tenant] + needed > self._share(tenant, active):
             return
         counters = self.counters.counters
@@ -253,9 +260,8 @@ class Scheduler:
             request = seq.request
             if num_seats + self._num_seats(seq) > self.max_num_seqs and self.running:
                 break
-            cached = self.kv.find_cached_prefix(seq)
+            cached, num_new = self._first_chunk(seq, budget)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.can_allocate(seq, num_new, cached):
                 break
             batch.blocks_to_copy += self.kv.allocate(seq, num_new, cached)

@@ -160,7 +160,7 @@ class PredictionProposer:
         cursor.position = self._realign(cursor, predicted, tokens, num_output)
         if cursor.position is not None:
             return list(predicted[cursor.position : cursor.position + k])
-        guess = self._guess(cursor, tokens, num_output)
+        guess = self._guess(cursor, predicted, tokens, num_output)
         if guess is None:
             return []
         self.source = "prediction_guess"  # the cursor stays lost: the next step checks the guess's outcome afresh
@@ -184,11 +184,11 @@ class PredictionProposer:
                 return next((end for end in found if end >= cursor.last_aligned), found[0])
         return None
 
-    def _guess(self, cursor: _PredictionCursor, tokens: list[int], num_output: int) -> int | None:
+    def _guess(self, cursor: _PredictionCursor, predicted: list[int], tokens: list[int], num_output: int) -> int | None:
         """Where the output's last token first occurs in the prediction after the last aligned place; None if not."""
-        if num_output == 0 or cursor.follow is None:
+        if num_output == 0:
             return None
-        found = cursor.follow.get((tokens[-1],), ())
+        found = self._follow(cursor, predicted).get((tokens[-1],), ())
         return next((end for end in found if end > cursor.last_aligned), None)
 
     def forget(self, seq: Sequence) -> None:

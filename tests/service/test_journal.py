@@ -349,3 +349,25 @@ def test_a_disk_that_keeps_failing_fails_the_futures_at_stop_and_nothing_hangs(t
     assert not not_yet and pending == 1
     assert isinstance(future.exception(), RuntimeError) and "stopped before writing" in str(future.exception())
     assert stopped_in < 3 and not writer_alive
+
+
+@pytest.mark.parametrize("num_records", [0, 5])
+def test_stop_ends_when_the_journal_is_written_and_applied_not_at_its_timeout(tmp_path, num_records):
+    """A clean stop used to leave the applier waiting for a wake-up that never came, so every server's
+    shutdown waited out stop_timeout_s (5 s) with nothing left to do."""
+    async def main():
+        ledger = SQLiteLedger(tmp_path / "ledger.db")
+        journal = UsageJournal(tmp_path / "usage.jsonl", ledger, stop_timeout_s=60.0)
+        await journal.start()
+        for i in range(num_records):
+            journal.append(usage(i), 1000 + i)
+        started = time.monotonic()
+        left = await journal.stop()
+        stopped_after = time.monotonic() - started
+        totals = await ledger.totals("acme")
+        await ledger.close()
+        return left, stopped_after, totals
+
+    left, stopped_after, totals = asyncio.run(main())
+    assert left == 0 and totals.requests == num_records
+    assert stopped_after < 10.0  # well short of the 60 s timeout: it ended, nothing timed out

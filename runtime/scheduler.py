@@ -5,7 +5,9 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
 
   1. running sequences with one token to go (decodes), oldest first;
   2. running sequences with more to go (prefill chunks), oldest first, each chunk cut to
-     the budget left, so a long prompt never stalls the decodes;
+     the budget left, so a long prompt never stalls the decodes (under "fair", waiting
+     sequences of tenants below their share of seats start before these chunks: a light
+     tenant's prompt does not wait behind a flooding tenant's long prompts);
   3. waiting sequences, in the waiting queue's order (runtime/fairness.py: first come first
      served, or fair across tenants by virtual token counters), each starting after its
      longest cached prefix (pages scheduled earlier in the same step count: identical
@@ -146,34 +148,42 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         plain = [s for s in decodes if not s.draft_token_ids]  # one-token decodes lead the batch
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in plain + [s for s in decodes if s.draft_token_ids] + chunks:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts = self._fit_drafts(seq, budget)
-            if not self.kv.has_room(seq, num_new + len(drafts)):  # most decodes write inside their last page
-                if drafts and self.kv.can_allocate(seq, num_new + len(drafts)):
-                    batch.blocks_to_copy += self.kv.allocate(seq, num_new + len(drafts))
-                else:
-                    drafts = seq.draft_token_ids = []  # never preempt for a draft
-                    while not self.kv.can_allocate(seq, num_new):
-                        victim = self._pick_victim(seq, scheduled)
-                        self.preempt(victim)
-                        preempted = True
-                        if victim is seq:
-                            break
-                    if seq.status is not SequenceStatus.RUNNING:
-                        continue
-                    batch.blocks_to_copy += self.kv.allocate(seq, num_new)
-            # only tokens that are the sequence's own are hashed: a page holding a draft never is
-            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
-            self._add_to_batch(batch, seq, num_new, drafts, scheduled)
-            budget -= num_new + len(drafts)
+        for seq in plain + [s for s in decodes if s.draft_token_ids]:
+            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
+        if self.policy == "fair" and not preempted:  # a tenant below its share starts before others' prompt chunks
+            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants={s.request.tenant for s in chunks})
+        for seq in chunks:
+            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
         if not preempted:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, seq: Sequence, budget: int, scheduled: set[str],
+                          preempted: bool) -> tuple[int, bool]:
+        """Schedule a running sequence's next tokens (its drafts where they fit), preempting for its pages
+        if it must; returns the budget left and whether anything has been preempted this step."""
+        if budget == 0 or seq.status is not SequenceStatus.RUNNING:  # out of budget, or preempted earlier
+            return budget, preempted
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        drafts = self._fit_drafts(seq, budget)
+        if not self.kv.has_room(seq, num_new + len(drafts)):  # most decodes write inside their last page
+            if drafts and self.kv.can_allocate(seq, num_new + len(drafts)):
+                batch.blocks_to_copy += self.kv.allocate(seq, num_new + len(drafts))
+            else:
+                drafts = seq.draft_token_ids = []  # never preempt for a draft
+                while not self.kv.can_allocate(seq, num_new):
+                    victim = self._pick_victim(seq, scheduled)
+                    self.preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    return budget, preempted
+                batch.blocks_to_copy += self.kv.allocate(seq, num_new)
+        # only tokens that are the sequence's own are hashed: a page holding a draft never is
+        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        self._add_to_batch(batch, seq, num_new, drafts, scheduled)
+        return budget - num_new - len(drafts), preempted
 
     def _fit_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts that fit this step: only for a sequence one token from caught up, within the budget."""
@@ -251,11 +261,19 @@ class Scheduler:
         self.preempt(victim)
         self.num_fair_preemptions += 1
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str]) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str],
+                       chunk_tenants: set[str] | None = None) -> int:
+        """Start waiting sequences in the queue's order while seats, budget and pages last; returns the budget
+        left. Given chunk_tenants (the tenants with prompt chunks to run this step), this is the admission
+        before those chunks: only tenants below their share of seats and not among them start."""
         num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
         seats = self.seats_by_tenant() if self.policy == "fair" else Counter()
         while self.waiting and budget > 0:
             first = self._below_share(seats)
+            if chunk_tenants is not None:
+                first -= chunk_tenants
+                if not first:
+                    break
             seq = self.waiting.peek(first)
             request = seq.request
             if num_seats + self._num_seats(seq) > self.max_num_seqs and self.running:

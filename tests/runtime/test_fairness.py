@@ -120,6 +120,27 @@ def test_fair_a_light_tenant_starts_within_a_step_of_arriving_under_a_flood():
     assert sched.num_fair_preemptions == 1  # a alone now: it never takes seats from itself
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_fair_a_light_prompt_starts_before_the_floods_long_prompt_chunks(policy):
+    """The flood's long prompts are computed in chunks that would fill every step's budget; a tenant below its
+    share of seats starts ahead of those chunks under "fair", and waits for them to finish under "fcfs"."""
+    sched = make_scheduler(policy, max_num_seqs=8, max_num_batched_tokens=64)
+    flood = [make_seq(f"a{i}", 200, "a") for i in range(2)]  # 200-token prompts, computed in 64-token chunks
+    for seq in flood:
+        sched.add(seq)
+    step(sched)
+    assert flood[0].num_computed_tokens == 64 and flood[1].status is SequenceStatus.WAITING
+    light = make_seq("b", 8, "b", max_tokens=2)
+    sched.add(light)
+    step(sched)
+    if policy == "fair":
+        assert light.num_output_tokens == 1 and flood[0].num_computed_tokens == 120  # b's 8 tokens came first
+    else:
+        assert light.status is SequenceStatus.WAITING and flood[0].num_computed_tokens == 128
+    assert flood[1].status is SequenceStatus.WAITING  # a tenant's own waiting prompts never pass its chunks
+    assert sched.num_preemptions == 0
+
+
 def _backlogged(weights: tuple[float, float], max_num_seqs: int, steps: int) -> tuple[dict[str, float], Scheduler]:
     """Two tenants, each with more requests waiting than `steps` can serve; weighted service after `steps`."""
     sched = make_scheduler("fair", max_num_seqs=max_num_seqs)

@@ -229,3 +229,35 @@ def test_under_a_flood_fair_starts_the_light_tenant_within_three_steps_and_chang
     fcfs, _, first_fcfs = _run_flood(stories_dir, "fcfs")
     assert first_fair - arrived <= 3 < first_fcfs - arrived  # fcfs: behind every waiting request of the flood
     assert fair == fcfs  # a preempted sequence is recomputed from its tokens: greedy outputs are the same
+
+
+def test_fair_never_starts_a_cached_prompt_ahead_of_an_earlier_uncached_one(stories_dir):
+    """OptiLeak: a scheduler that favours cache hits tells a client, through the order of its answers, which of
+    its prompts hit. One seat, so answers start in admission order. The attacker's probes alternate between an
+    operator-shared prefix that is cached (hits) and other tokens (misses), among another tenant's requests:
+    they start in the order sent, whatever hit."""
+    from runtime import Engine
+
+    engine = Engine.from_pretrained(stories_dir, num_blocks=256, max_num_seqs=1, scheduling="fair")
+    shared = engine.tokenize("Once upon a time, there was a little girl named Lily. She loved to play in the park "
+                             "with her dog and her friends every day after school.")
+    shared_len = len(shared) // BS * BS
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    engine.generate([shared + [7]], greedy)  # the shared prefix is cached
+    sent = []
+    for i in range(8):
+        hit = i % 2 == 0
+        other = shared[:1] + [30 + (j + i) % 200 for j in range(len(shared) - 1)]
+        engine.add_request(f"attacker-{i}", (shared if hit else other) + [20 + i], greedy, cache_salt=f"probe-{i}",
+                           shared_prefix_len=shared_len if hit else 0, tenant="attacker")
+        engine.add_request(f"other-{i}", [1] + [40 + i] * 24, greedy, tenant="other")
+        sent.append(f"attacker-{i}")
+    started: list[str] = []
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id.startswith("attacker") and output.request_id not in started:
+                started.append(output.request_id)
+                cached[output.request_id] = output.num_cached_tokens
+    assert started == sent
+    assert [cached[r] > 0 for r in sent] == [i % 2 == 0 for i in range(8)]  # the hits did hit

@@ -204,3 +204,39 @@ def test_pinned_prefix_survives_a_restart(stories_dir, tenants_file):
         assert deleted.status_code == 200
         server.wait_idle()
         assert server.state.bridge.stats["num_pinned_blocks"] == 0
+
+
+def test_no_tenant_created_prefix_joins_the_operators_shared_scope(stories_dir, tenants_file):
+    """The shared scope holds the operator's listed prefixes and nothing a tenant makes: not a tenant's pin,
+    not a prompt_cache_key the operator did not list, not the part of a prompt past the listed prefix."""
+    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file)}, pinned_block_budget=16)
+    pin_text = "system: You are the secret planner of the acme picnic by the lake with the red boats."
+    extended = SYSTEM + " Acme's own rules: the picnic is on the big hill by the old mill, bring the kites."
+    with run_server(settings) as server:
+        acme, globex = _client(server, "acme"), _client(server, "globex")
+
+        def cached(client, prompt, **extra) -> int:
+            out = client.completions.create(model="stories260K", prompt=prompt, max_tokens=1, temperature=0,
+                                            extra_body=extra or None)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        pinned = requests.post(server.url + "/v1/pinned-prefixes", json={"id": "picnic", "text": extended},
+                               headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=10)
+        assert pinned.status_code == 201
+        requests.post(server.url + "/v1/pinned-prefixes", json={"id": "planner", "text": pin_text},
+                      headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=10).raise_for_status()
+        num_system_blocks = len(server.state.engine.tokenize(SYSTEM)) // 16
+        assert cached(acme, pin_text + " Go!") >= 16  # acme's pin is acme's
+        assert cached(globex, pin_text + " Go!") == 0  # a tenant's pin is not shared
+        # a pin that begins with the operator's prefix: only the operator's whole pages are shared
+        assert cached(acme, extended + " Go!") > num_system_blocks * 16
+        assert cached(globex, extended + " Go!") == num_system_blocks * 16
+        # prompt_cache_key only names the operator's prefixes: any other key (or a prompt that does not begin
+        # with the named prefix) shares nothing
+        private = "The acme secret: the picnic basket holds three cakes and a map of the woods. " * 2
+        assert cached(acme, private, prompt_cache_key="picnic") == 0
+        assert cached(acme, private, prompt_cache_key="picnic") > 0
+        assert cached(globex, private, prompt_cache_key="picnic") == 0
+        other = "The acme plan B: if it rains, the picnic moves to the barn behind the blue house. " * 2
+        assert cached(acme, other, prompt_cache_key="public-story") == 0
+        assert cached(globex, other, prompt_cache_key="public-story") == 0  # the operator's key, not its prefix

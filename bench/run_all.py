@@ -44,6 +44,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "speculative": ["bench_speculative.py"],
     "speculative_serving": ["bench_speculative_serving.py"],
     "fairness": ["bench_fairness.py"],
+    "side_channel": ["side_channel.py"],
     "profile_speculative": ["profile_speculative.py"],
 }
 

@@ -144,7 +144,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1024 * 1024
-    max_queued_requests: int = 256  # requests waiting beyond max_num_seqs; past it: 429
+    max_queued_requests: int = 256  # requests waiting beyond max_num_seqs; past it: wait for a place, then 429
+    admission_wait_s: float = 10.0  # how long a request waits for a place in flight (fair across tenants); 0: 429 at once
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
@@ -165,6 +166,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.max_body_bytes must be at least 1024")
         if self.max_queued_requests < 0:
             raise ConfigError("server.max_queued_requests must be >= 0")
+        if self.admission_wait_s < 0:
+            raise ConfigError("server.admission_wait_s must be >= 0")
         if self.usage_write_timeout_s <= 0:
             raise ConfigError("server.usage_write_timeout_s must be > 0")
         if self.max_tool_calls < 1:

@@ -26,6 +26,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,6 +116,7 @@ class Bridge(Protocol):
     def num_inflight(self) -> int: ...
     @property
     def num_inflight_sequences(self) -> int: ...
+    def inflight_sequences_by_tenant(self) -> Counter[str]: ...
     def start(self) -> None: ...
     def submit(self, stream: RequestStream, request: Request) -> None: ...
     def abort(self, request_id: str) -> None: ...
@@ -206,6 +208,13 @@ class StreamsInFlight:
     @property
     def num_inflight_sequences(self) -> int:
         return sum(stream.n for stream in self.streams.values())
+
+    def inflight_sequences_by_tenant(self) -> Counter[str]:
+        """Sequences in flight per tenant."""
+        counts: Counter[str] = Counter()
+        for stream in self.streams.values():
+            counts[stream.tenant] += stream.n
+        return counts
 
 
 class EngineBridge(StreamsInFlight):

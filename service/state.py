@@ -14,6 +14,7 @@ from runtime.structured_outputs import StructuredOutputs
 from service.billing.journal import UsageJournal
 from service.billing.ledger import Ledger
 from service.bridge import Bridge, ModelLike, Tokenizer
+from service.admission import AdmissionTimeout, FairAdmission
 from service.errors import APIError
 from service.grammars import LoopCompiles
 from service.metrics import ServiceMetrics
@@ -38,13 +39,17 @@ class ServiceState:
     prefix_index: PrefixIndex | None  # None behind Dynamo: its indexer is the one source of truth
     replica_id: str
     draining: bool = False
-    num_reserved: int = 0  # sequences admitted but not yet handed to the bridge
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
     grammar_compiles: LoopCompiles = field(init=False)  # the model's compiler, driven from this loop
+    admission: FairAdmission = field(init=False)  # places in flight, fair across tenants when they run out
+    tenant_weights: dict[str, float] = field(init=False)  # plan weights by tenant id
 
     def __post_init__(self) -> None:
         self.grammar_compiles = LoopCompiles(self.engine.grammars)
+        self.admission = FairAdmission(lambda: self.capacity, self.bridge.inflight_sequences_by_tenant,
+                                       self.settings.server.admission_wait_s)
+        self.tenant_weights = {t.tenant_id: t.weight for t in self.tenants.tenants.values()}
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, keeping a reference until it ends."""
@@ -79,24 +84,38 @@ class ServiceState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def reserve_capacity(self, num_sequences: int) -> None:
-        """503 while draining or broken; 429 when the queue beyond the running batch is full;
-        else hold `num_sequences` places until release_capacity (the bridge counts them once submitted)."""
+    @property
+    def capacity(self) -> int:
+        """Sequences in flight the server takes: every engine's seats and queue (behind Dynamo, summed over workers)."""
+        per_worker = self.engine.limits.max_num_seqs + self.settings.server.max_queued_requests  # workers' own sizes
+        return per_worker * max(1, self.bridge.num_workers)
+
+    async def reserve_capacity(self, tenant: Tenant, num_sequences: int) -> None:
+        """503 while draining or broken; when the places in flight are taken, a wait for one, handed out fairly
+        across tenants (service/admission.py), then 429; else hold `num_sequences` places until
+        release_capacity (the bridge counts them once submitted)."""
+        self._check_serving()
+        try:
+            await self.admission.reserve(tenant.tenant_id, tenant.weight, num_sequences, self.tenant_weights)
+        except AdmissionTimeout:
+            raise APIError(429, f"the server is at capacity ({self.capacity} sequences in flight); retry shortly",
+                           None, "too_many_requests", {"Retry-After": "1"}) from None
+        try:
+            self._check_serving()  # it may have begun draining during the wait
+        except APIError:
+            self.release_capacity(tenant, num_sequences)
+            raise
+
+    def _check_serving(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", None,
                            "service_unavailable", {"Retry-After": "5"})
         if not self.bridge.healthy:
             what = "no worker is reachable" if self.bridge.num_workers == 0 else "the engine is unhealthy"
             raise APIError(503, f"{what}; retry shortly", None, "service_unavailable", {"Retry-After": "2"})
-        per_worker = self.engine.limits.max_num_seqs + self.settings.server.max_queued_requests  # workers' own sizes
-        limit = per_worker * max(1, self.bridge.num_workers)
-        if self.bridge.num_inflight_sequences + self.num_reserved + num_sequences > limit:
-            raise APIError(429, f"the server is at capacity ({limit} sequences in flight); retry shortly", None,
-                           "too_many_requests", {"Retry-After": "1"})
-        self.num_reserved += num_sequences
 
-    def release_capacity(self, num_sequences: int) -> None:
-        self.num_reserved -= num_sequences
+    def release_capacity(self, tenant: Tenant, num_sequences: int) -> None:
+        self.admission.release(tenant.tenant_id, num_sequences)
 
 
 STATE = web.AppKey("state", ServiceState)

@@ -29,8 +29,10 @@ class ChoiceDelta:
 class RequestStream:
     """A mailbox for one request's outputs, with its timing and token counts."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, n: int = 1, wakeup: asyncio.Event | None = None) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, n: int = 1, wakeup: asyncio.Event | None = None,
+                 tenant: str = "default") -> None:
         self.request_id = request_id
+        self.tenant = tenant  # whose places in flight it holds (service/admission.py)
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
         self.num_cached_tokens = 0

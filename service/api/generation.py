@@ -59,7 +59,8 @@ class Generation:
                                                               prediction=self.prediction, tenant=tenant.tenant_id,
                                                               tenant_weight=tenant.weight, priority=body.priority))
         self.wakeup = asyncio.Event()
-        self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup) for r in self.requests]
+        self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup, tenant.tenant_id)
+                        for r in self.requests]
         for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes
             stream.on_engine_done = self._on_engine_done
         self.started_at = time.monotonic()
@@ -78,7 +79,7 @@ class Generation:
         limiter answers gives the lease back as soon as it arrives.
         """
         state = self.state
-        state.reserve_capacity(self.num_sequences)
+        await state.reserve_capacity(self.tenant, self.num_sequences)
         try:
             num_tokens = sum(len(r.prompt_token_ids) + r.params.n * r.params.max_tokens for r in self.requests)
             acquire = asyncio.ensure_future(state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens))
@@ -93,7 +94,7 @@ class Generation:
             except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
                 log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
         except BaseException:
-            state.release_capacity(self.num_sequences)
+            state.release_capacity(self.tenant, self.num_sequences)
             raise
         self.admitted = True
 
@@ -104,7 +105,7 @@ class Generation:
 
     def start(self) -> None:
         """Hand every prompt to the engine (after admit())."""
-        self.state.release_capacity(self.num_sequences)  # the bridge counts them from here on
+        self.state.release_capacity(self.tenant, self.num_sequences)  # the bridge counts them from here on
         for stream, request in zip(self.streams, self.requests):
             self.state.bridge.submit(stream, request)
 

@@ -52,6 +52,7 @@ def test_dropped_sse_streams_free_every_page(stories_dir):
 def test_requests_past_the_queue_get_429_with_retry_after(stories_dir):
     settings = stories_settings(stories_dir, max_num_seqs=1)
     settings.server.max_queued_requests = 1
+    settings.server.admission_wait_s = 0.2  # past the places in flight: a short wait for one, then 429
     with run_server(settings) as server:
 
         async def main():

@@ -53,3 +53,46 @@ def test_priority_must_be_an_integer(server):
                              json={"model": "stories260K", "prompt": "Hi", "max_tokens": 2, "priority": "high"},
                              timeout=10)
     assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+
+
+def test_a_full_server_lets_a_tenant_below_its_share_in_and_makes_the_flooder_wait_then_429(stories_dir, tmp_path):
+    """Two places in flight (one seat, one queued), both the heavy tenant's long streams. The light tenant is
+    below its share: it is let in at once and, under fair scheduling, streams before the flood ends. The heavy
+    tenant's third request waits for a place (admission_wait_s), then gets a 429."""
+    import asyncio
+    import json
+    import time
+
+    import aiohttp
+
+    tenants_file = write_tenants_file(tmp_path / "tenants.toml", {"light": {"keys": [KEYS["light"]], "plan": "basic"},
+                                                                  "heavy": {"keys": [KEYS["heavy"]], "plan": "basic"}},
+                                      plans={"basic": {"input_per_mtok": 0.5, "output_per_mtok": 1.5}})
+    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file), "max_queued_requests": 1,
+                                                     "admission_wait_s": 0.5}, max_num_seqs=1, scheduling="fair")
+    with run_server(settings) as server:
+        async def main():
+            body = {"model": "stories260K", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                def post(tenant: str, **extra):
+                    return session.post(server.url + "/v1/completions", json={**body, **extra},
+                                        headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+                flood = [await post("heavy") for _ in range(2)]
+                await flood[0].content.readline()  # the first one streams
+                started = time.monotonic()
+                extra = await post("heavy")
+                waited = time.monotonic() - started
+                refused = (extra.status, json.loads(await extra.read()))
+                light = await post("light", max_tokens=4)
+                text = (await light.read()).decode()
+                flood_done = [r.content.at_eof() for r in flood]
+                for response in flood:
+                    response.close()
+                return refused, waited, light.status, text, flood_done
+
+        (status, body), waited, light_status, light_text, flood_done = asyncio.run(main())
+        assert status == 429 and body["error"]["code"] == "too_many_requests" and waited >= 0.5
+        assert light_status == 200 and light_text.rstrip().endswith("data: [DONE]")
+        assert flood_done == [False, False]  # the light tenant finished while the flood still streamed
+        server.wait_idle()

@@ -189,7 +189,8 @@ def main() -> None:
     share_seconds = 20.0 if args.quick else 60.0
     result = {"machine": machine_info(), "model": str(path).rsplit("/", 1)[-1], "dtype": args.dtype,
               "max_num_seqs": MAX_NUM_SEQS, "flood": {}, "shares": []}
-    for name, scheduling, flood in (("light_alone", "fcfs", False), ("fcfs", "fcfs", True), ("fair", "fair", True)):
+    for name, scheduling, flood in (("light_alone", "fcfs", False), ("light_alone_fair", "fair", False),
+                                    ("fcfs", "fcfs", True), ("fair", "fair", True)):
         log(f"flood: {name}")
         result["flood"][name] = row = flood_run(path, args.dtype, scheduling, flood, num_flood, num_blocks)
         log(f"  {name}: {({k: v for k, v in row.items() if k != 'tenants'})}")

@@ -107,7 +107,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its Q4/Q8), none, int8, int4
     speculative_config: SpeculativeConfig | None = None  # None: no method (a request's `prediction` still drafts)
     # who is admitted next: "fcfs" (arrival order) or "fair" (virtual token counters per tenant, runtime/fairness.py)
-    scheduling: str = "fcfs"
+    scheduling: str = "fair"  # measured: BENCHMARKS section 19
     fair_input_weight: float = 1.0  # a computed prompt token's weight in a tenant's counter (the VTC paper's w_p)
     fair_output_weight: float = 2.0  # a generated token's (w_q): a decode costs about twice a prompt token
 

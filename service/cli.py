@@ -119,8 +119,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     parser.add_argument("--scheduling", choices=("fcfs", "fair"), default=None,
-                        help="who starts next: fcfs (arrival order, the default) or fair (per-tenant virtual token "
-                             "counters, weighted by each plan's weight)")
+                        help="who starts next: fair (per-tenant virtual token counters, weighted by each plan's "
+                             "weight; the default) or fcfs (arrival order)")
     parser.add_argument("--discovery-dir", default=None,
                         help="Dynamo file discovery folder, shared by the front doors and workers of one cluster")
     parser.add_argument("--namespace", default=None, help="Dynamo namespace (default: pagedserve)")

@@ -6,8 +6,9 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
   1. running sequences with one token to go (decodes), oldest first;
   2. running sequences with more to go (prefill chunks), oldest first, each chunk cut to
      the budget left, so a long prompt never stalls the decodes (under "fair", waiting
-     sequences of tenants below their share of seats start before these chunks: a light
-     tenant's prompt does not wait behind a flooding tenant's long prompts);
+     sequences of tenants below their share of seats whose counters are not ahead of the
+     chunks' tenants start before these chunks: a light tenant's prompt does not wait
+     behind a flooding tenant's long prompts);
   3. waiting sequences, in the waiting queue's order (runtime/fairness.py: first come first
      served, or fair across tenants by virtual token counters), each starting after its
      longest cached prefix (pages scheduled earlier in the same step count: identical
@@ -150,8 +151,9 @@ class Scheduler:
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in plain + [s for s in decodes if s.draft_token_ids]:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
-        if self.policy == "fair" and not preempted:  # a tenant below its share starts before others' prompt chunks
-            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants={s.request.tenant for s in chunks})
+        chunk_tenants = {s.request.tenant for s in chunks}
+        if self.policy == "fair" and chunk_tenants and not preempted:  # a tenant behind and below its share
+            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants)  # starts before others' chunks
         for seq in chunks:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
         if not preempted:
@@ -265,13 +267,17 @@ class Scheduler:
                        chunk_tenants: set[str] | None = None) -> int:
         """Start waiting sequences in the queue's order while seats, budget and pages last; returns the budget
         left. Given chunk_tenants (the tenants with prompt chunks to run this step), this is the admission
-        before those chunks: only tenants below their share of seats and not among them start."""
+        before those chunks: only tenants below their share of seats, not among them, and with a counter no
+        larger than theirs start (each start is charged at once, so a tenant goes first only while it is
+        behind: it never starves the others' prompts; a tolerance of one step's budget did, measured)."""
         num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
         seats = self.seats_by_tenant() if self.policy == "fair" else Counter()
+        counters = self.counters.counters
+        chunks_floor = min((counters[t] for t in chunk_tenants), default=0.0) if chunk_tenants else 0.0
         while self.waiting and budget > 0:
             first = self._below_share(seats)
             if chunk_tenants is not None:
-                first -= chunk_tenants
+                first = {t for t in first - chunk_tenants if counters[t] <= chunks_floor}
                 if not first:
                     break
             seq = self.waiting.peek(first)

@@ -27,6 +27,7 @@ from service.tenants import TenantDirectory
 from service.errors import error_middleware
 from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
+from service.api.messages import count_tokens, messages
 from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
 
@@ -188,6 +189,8 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
     app.router.add_get("/v1/prefix-index/lookup", prefix_index_lookup)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/stream", websocket_stream)
     app.router.add_get("/health", health)

@@ -24,6 +24,18 @@ ERROR_TYPES = {
     503: "server_error",
 }
 
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes that answer errors in Anthropic's shape
+
 
 class UnavailableError(Exception):
     """Nothing can answer this request now (no worker reachable, its worker lost): 503 with Retry-After."""
@@ -49,6 +61,14 @@ class APIError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict:
+        """The error in Anthropic's shape (the Messages API): {"type": "error", "error": {"type", "message"}}."""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+    def anthropic_response(self) -> web.Response:
+        return web.json_response(self.anthropic_body(), status=self.status, headers=self.headers)
 
 
 def from_invalid_request(exc: InvalidRequestError) -> APIError:
@@ -90,21 +110,26 @@ def from_exception(exc: Exception) -> APIError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Turn every error into the OpenAI error shape; aiohttp's own HTTP errors included."""
+    """Turn every error into the OpenAI error shape (Anthropic's on its routes); aiohttp's own HTTP errors included."""
     try:
         return await handler(request)
     except asyncio.CancelledError:
         raise
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app._client_max_size
-        return APIError(413, f"request body too large (limit {limit} bytes)", None, "request_too_large").response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return APIError(exc.status, exc.reason or "error", None, None, allow).response()
-    except (APIError, InvalidRequestError, UnavailableError, msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return from_exception(exc).response()
     except Exception as exc:
+        error = _as_api_error(request, exc)
+        return error.anthropic_response() if request.path.startswith(ANTHROPIC_PATHS) else error.response()
+
+
+def _as_api_error(request: web.Request, exc: Exception) -> APIError:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app._client_max_size
+        return APIError(413, f"request body too large (limit {limit} bytes)", None, "request_too_large")
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return APIError(exc.status, exc.reason or "error", None, None, allow)
+    if not isinstance(exc, (APIError, InvalidRequestError, UnavailableError, msgspec.ValidationError,
+                            msgspec.DecodeError)):
         log.exception("unhandled error", path=request.path)
-        return from_exception(exc).response()
+    return from_exception(exc)

@@ -16,7 +16,7 @@ from runtime.outputs import RequestOutput, TokenLogprob
 class ChoiceDelta:
     """What one choice (sample) gained since the reader last looked."""
 
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -24,6 +24,7 @@ class ChoiceDelta:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # tokens whose text is in `text` so far, with logprobs
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 class RequestStream:
@@ -39,6 +40,7 @@ class RequestStream:
         self.num_accepted_prediction_tokens = 0
         self.num_completion_tokens = [0] * n  # per choice, tokens handed to the reader
         self.finish_reasons: list[str | None] = [None] * n
+        self.stop_reasons: list[int | str | None] = [None] * n  # per choice: the stop string or id that ended it
         self.finished = False
         self.error: Exception | None = None
         self.created_at = time.monotonic()
@@ -68,7 +70,9 @@ class RequestStream:
                 delta.logprobs += completion.new_logprobs
             if completion.finish_reason is not None:
                 delta.finish_reason = completion.finish_reason
+                delta.stop_reason = completion.stop_reason
                 self.finish_reasons[index] = completion.finish_reason
+                self.stop_reasons[index] = completion.stop_reason
             self.num_completion_tokens[index] += len(new_ids)
             got_tokens = got_tokens or bool(new_ids)
         self.num_cached_tokens = output.num_cached_tokens

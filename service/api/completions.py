@@ -12,7 +12,8 @@ from service.api.formatting import ChatFormat, CompletionFormat
 from service.api.generation import ChoiceAccumulator, Generation, new_request_id
 from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
-from service.api.tools import fallback_system_prompt, plan_tools
+from runtime.sampling_params import StructuredOutputs
+from service.api.tools import ToolPlan, fallback_system_prompt, plan_tools
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -26,6 +27,18 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     Its tools (service/api/tools.py) go into the prompt and may constrain the output; the
     output's grammar is compiled here, off the event loop, before anything is queued.
     """
+    prompt, plan, constraint = chat_prompt(state, body)
+    grammar = await state.compile_grammar(constraint)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
+                     tool_plan=plan if plan is not None and plan.choice != "none" else None)
+    return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
+
+
+def chat_prompt(state: ServiceState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None,
+                                                                          StructuredOutputs | None]:
+    """A chat body's prompt (token ids, its tools shown as the template shows them), its tool plan, and the
+    output's constraint (the tool plan's, else the body's); validated, nothing compiled."""
     state.check_model(body.model)
     template = state.tokenizer.chat_template
     server = state.settings.server
@@ -36,12 +49,7 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     if described is not None:  # no template to show the tools: a system message does
         messages = [{"role": "system", "content": described}, *messages]
     prompt = state.tokenizer.apply_chat_template(messages, tools=plan.tools if plan is not None else None)
-    constraint = (plan.constraint() if plan is not None else None) or requested
-    grammar = await state.compile_grammar(constraint)
-    num_top = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
-                     tool_plan=plan if plan is not None and plan.choice != "none" else None)
-    return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
+    return prompt, plan, (plan.constraint() if plan is not None else None) or requested
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

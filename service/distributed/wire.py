@@ -69,6 +69,7 @@ class Choice(msgspec.Struct, array_like=True):
     token_ids: list[int]
     logprobs: list[tuple[int, str, list[tuple[int, float]]]]  # (token id, its text, [(id, logprob), ...])
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 class Output(msgspec.Struct, tag="output"):
@@ -157,7 +158,7 @@ def params_of(call: Generate) -> SamplingParams:
 
 def choice_of(delta: ChoiceDelta) -> Choice:
     logprobs = [(lp.token_id, lp.text, list(lp.logprobs.items())) for lp in delta.logprobs]
-    return Choice(delta.index, delta.text, delta.token_ids, logprobs, delta.finish_reason)
+    return Choice(delta.index, delta.text, delta.token_ids, logprobs, delta.finish_reason, delta.stop_reason)
 
 
 def request_output(request_id: str, prompt_token_ids: list[int], frame: Output | Done, finished: bool) -> RequestOutput:
@@ -168,6 +169,6 @@ def request_output(request_id: str, prompt_token_ids: list[int], frame: Output |
             logprobs = [TokenLogprob(token_id, text, dict(top)) for token_id, text, top in choice.logprobs] or None
             outputs.append(CompletionOutput(index=choice.index, text="", token_ids=[], new_text=choice.text,
                                             new_token_ids=choice.token_ids, finish_reason=choice.finish_reason,
-                                            new_logprobs=logprobs))
+                                            stop_reason=choice.stop_reason, new_logprobs=logprobs))
     return RequestOutput(request_id, None, prompt_token_ids, outputs, frame.num_cached_tokens, finished,
                          num_accepted_prediction_tokens=frame.num_accepted_prediction_tokens)

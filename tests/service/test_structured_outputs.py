@@ -7,7 +7,6 @@ chat template written here, so only the grammar makes its outputs parse.
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 
 import jsonschema
@@ -19,58 +18,15 @@ import websockets.sync.client
 
 from service.api.protocol import ChatCompletionRequest, decode_body
 from tests.service.conftest import run_server, stories_settings
+from tests.service.hermes import SEARCH, TOOL_SCHEMAS, WEATHER, make_hermes_checkpoint
 from tests.structured.schema_battery import SCHEMAS
 
-HERMES_TEMPLATE = """
-{%- if messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}
-{%- endif %}
-{%- if tools %}
-# Tools
-Call a function by writing <tool_call>{"name": <function name>, "arguments": <arguments>}</tool_call>.
-<tools>
-{%- for tool in tools %}
-{{ tool.function | tojson }}
-{%- endfor %}
-</tools>
-{%- endif %}<|im_end|>
-{%- for message in messages %}
-{%- if message.role != 'system' %}
-<|im_start|>{{ message.role }}
-{%- if message.role == 'tool' %}
-<tool_response>{{ message.content }}</tool_response>
-{%- else %}
-{{ message.content }}
-{%- endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</tool_call>
-{%- endfor %}<|im_end|>
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}"""
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": SCHEMAS["tool_arguments_like"]}}
-SEARCH = {"type": "function", "function": {
-    "name": "search", "parameters": {"type": "object", "properties": {
-        "query": {"type": "string", "maxLength": 10}, "limit": {"type": "integer", "minimum": 1, "maximum": 5}},
-        "required": ["query"], "additionalProperties": False}}}
-TOOL_SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "search": SEARCH["function"]["parameters"]}
 MESSAGES = [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "Tell me about Paris."}]
 
 
 @pytest.fixture(scope="module")
 def model_dir(random_checkpoints, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hermes") / "qwen2-hermes"
-    shutil.copytree(random_checkpoints["qwen2"], path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    model_config = json.loads((path / "config.json").read_text())  # rotary positions: longer is the same model
-    (path / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 2048}))
-    return path
+    return make_hermes_checkpoint(random_checkpoints["qwen2"], tmp_path_factory.mktemp("hermes") / "qwen2-hermes")
 
 
 @pytest.fixture(scope="module")

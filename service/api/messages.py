@@ -1,0 +1,222 @@
+"""Anthropic's Messages API on the chat generation core: POST /v1/messages (JSON or SSE events) and
+POST /v1/messages/count_tokens.
+
+A Messages body becomes a chat completion body (messages_protocol.py) and runs as one: the same
+tenant, limits, ledger, prefix cache, tools and grammar path. What comes back is reshaped:
+
+    chat message content / tool_calls  ->  content blocks: text / tool_use (input: the arguments object)
+    finish_reason stop / length / tool_calls  ->  stop_reason end_turn (stop_sequence when a stop
+                                                   sequence ended it) / max_tokens / tool_use
+    usage prompt / cached / completion   ->  input_tokens (not read from cache), cache_read_input_tokens,
+                                              cache_creation_input_tokens (0: see messages_protocol.py),
+                                              output_tokens
+
+Streaming sends Anthropic's named events: message_start (once the first token is there, so its
+usage knows the cached part), ping, content_block_start / content_block_delta (text_delta,
+input_json_delta) / content_block_stop per block, message_delta (stop_reason, usage),
+message_stop; a failure mid-stream is an `error` event. Errors are Anthropic's shape
+({"type": "error", "error": {"type", "message"}}: service/errors.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from service.api.completions import SSE_HEADERS, chat_generation, chat_prompt
+from service.api.generation import ChoiceAccumulator, Generation
+from service.api.messages_protocol import CountTokensRequest, MessagesRequest
+from service.api.protocol import ChatCompletionRequest, decode_body
+from service.errors import APIError, from_exception
+from service.state import STATE, ServiceState
+from service.tenants import Tenant
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def authenticate(state: ServiceState, request: web.Request) -> Tenant:
+    """The tenant of `x-api-key` (Anthropic's header) or, failing that, `Authorization: Bearer`."""
+    key = request.headers.get("x-api-key")
+    return state.tenants.authenticate(f"Bearer {key}" if key else request.headers.get("Authorization"))
+
+
+def _decode(raw: bytes, kind: type[CountTokensRequest]) -> CountTokensRequest:
+    body = msgspec.json.decode(raw, type=kind, strict=True)
+    body.check_fields()
+    return body
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages."""
+    state = request.app[STATE]
+    tenant = authenticate(state, request)
+    body = _decode(await request.read(), MessagesRequest)
+    chat = decode_body(body.chat_body(), ChatCompletionRequest)
+    generation = await chat_generation(state, chat, tenant)
+    await generation.admit()
+    try:
+        generation.start()
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return await _stream(request, generation, message_id, body.stop_sequences or [])
+        return await _whole(generation, message_id, body.stop_sequences or [])
+    finally:
+        generation.finish()
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: {"input_tokens": the prompt's length, tools included}."""
+    state = request.app[STATE]
+    authenticate(state, request)
+    body = _decode(await request.read(), CountTokensRequest)
+    prompt, _, _ = chat_prompt(state, decode_body({"model": body.model, **body.chat_fields()}, ChatCompletionRequest))
+    return web.json_response({"input_tokens": len(prompt)})
+
+
+def _usage(generation: Generation) -> dict:
+    usage = generation.usage()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
+
+
+def _stop(generation: Generation, finish_reason: str | None, stops: list[str],
+          called: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) for the chat finish_reason; `called`: the answer holds a tool_use block (a
+    named tool choice finishes with "stop" in chat, as OpenAI's does, and with tool_use here, as Anthropic's)."""
+    if called:
+        return "tool_use", None
+    if finish_reason in STOP_REASONS:
+        return STOP_REASONS[finish_reason], None
+    matched = generation.streams[0].stop_reasons[0]
+    if isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
+    return ("end_turn" if finish_reason is not None else None), None
+
+
+def _blocks(message: dict) -> list[dict]:
+    """A chat message's content and tool calls as Messages content blocks."""
+    blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    for call in message.get("tool_calls") or []:
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": msgspec.json.decode(call["function"]["arguments"] or "{}")})
+    return blocks
+
+
+def _message(generation: Generation, message_id: str, content: list[dict], stop_reason: str | None,
+             stop_sequence: str | None) -> dict:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": generation.fmt.model,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(generation)}
+
+
+async def _whole(generation: Generation, message_id: str, stops: list[str]) -> web.Response:
+    acc = ChoiceAccumulator()
+    async for deltas in generation.deltas():
+        for index, delta in deltas:
+            acc.add(index, delta)
+    choice = generation.fmt.final_choice(0, acc.choices[0])
+    await generation.usage_recorded()  # the answer goes out only once its bill is on disk
+    blocks = _blocks(choice["message"])
+    called = any(block["type"] == "tool_use" for block in blocks)
+    stop_reason, stop_sequence = _stop(generation, choice["finish_reason"], stops, called)
+    return web.json_response(_message(generation, message_id, blocks, stop_reason, stop_sequence))
+
+
+def _event(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+class _Blocks:
+    """Turns chat stream deltas into content block events: one open block at a time, numbered from 0."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" | "tool_use" | None
+        self.called = False  # a tool_use block was started
+
+    def _start(self, kind: str, block: dict) -> list[bytes]:
+        events = self.close()
+        self.index += 1
+        self.open = kind
+        return events + [_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                        "content_block": block})]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def text(self, text: str) -> list[bytes]:
+        events = self._start("text", {"type": "text", "text": ""}) if self.open != "text" else []
+        return events + [_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                        "delta": {"type": "text_delta", "text": text}})]
+
+    def tool_call(self, call: dict) -> list[bytes]:
+        events = []
+        if "id" in call:  # a new call
+            self.called = True
+            events += self._start("tool_use", {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                                               "input": {}})
+        arguments = call.get("function", {}).get("arguments")
+        if arguments:
+            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                         "delta": {"type": "input_json_delta",
+                                                                   "partial_json": arguments}}))
+        return events
+
+
+async def _stream(request: web.Request, generation: Generation, message_id: str, stops: list[str]) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    fmt = generation.fmt
+    blocks = _Blocks()
+    started = False
+    finish_reason = None
+    try:
+        async for deltas in generation.deltas():
+            out: list[bytes] = []
+            if not started:
+                start = _message(generation, message_id, [], None, None)
+                start["usage"]["output_tokens"] = 0
+                out += [_event("message_start", {"type": "message_start", "message": start}),
+                        _event("ping", {"type": "ping"})]
+            for index, delta in deltas:
+                choice = fmt.delta_choice(index, delta, first=not started)
+                started = True
+                message = choice["delta"]
+                if message.get("content"):
+                    out += blocks.text(message["content"])
+                for call in message.get("tool_calls") or []:
+                    out += blocks.tool_call(call)
+                finish_reason = choice["finish_reason"] or finish_reason
+            if out:
+                await response.write(b"".join(out))
+    except (ConnectionResetError, ConnectionError):
+        return response  # the client left; finish() aborts the engine request
+    except Exception as exc:
+        await response.write(_event("error", from_exception(exc).anthropic_body()))
+        await response.write_eof()
+        return response
+    try:
+        await generation.usage_recorded()  # the stream's end goes out only once its bill is on disk
+    except APIError as exc:  # no message_stop: the client sees the answer did not complete
+        await response.write(_event("error", exc.anthropic_body()))
+        await response.write_eof()
+        return response
+    stop_reason, stop_sequence = _stop(generation, finish_reason, stops, blocks.called)
+    usage = _usage(generation)
+    await response.write(b"".join([
+        *blocks.close(),
+        _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
+                                                                    "stop_sequence": stop_sequence},
+                                 "usage": {"output_tokens": usage["output_tokens"],
+                                           "input_tokens": usage["input_tokens"],
+                                           "cache_read_input_tokens": usage["cache_read_input_tokens"],
+                                           "cache_creation_input_tokens": 0}}),
+        _event("message_stop", {"type": "message_stop"}),
+    ]))
+    await response.write_eof()
+    return response

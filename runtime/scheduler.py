@@ -273,7 +273,7 @@ class Scheduler:
         num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
         seats = self.seats_by_tenant() if self.policy == "fair" else Counter()
         counters = self.counters.counters
-        chunks_floor = min((counters[t] for t in chunk_tenants), default=0.0) if chunk_tenants else 0.0
+        chunks_floor = min((counters[t] for t in chunk_tenants or ()), default=0.0)
         while self.waiting and budget > 0:
             first = self._below_share(seats)
             if chunk_tenants is not None:

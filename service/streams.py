@@ -40,7 +40,6 @@ class RequestStream:
         self.num_accepted_prediction_tokens = 0
         self.num_completion_tokens = [0] * n  # per choice, tokens handed to the reader
         self.finish_reasons: list[str | None] = [None] * n
-        self.stop_reasons: list[int | str | None] = [None] * n  # per choice: the stop string or id that ended it
         self.finished = False
         self.error: Exception | None = None
         self.created_at = time.monotonic()
@@ -72,7 +71,6 @@ class RequestStream:
                 delta.finish_reason = completion.finish_reason
                 delta.stop_reason = completion.stop_reason
                 self.finish_reasons[index] = completion.finish_reason
-                self.stop_reasons[index] = completion.stop_reason
             self.num_completion_tokens[index] += len(new_ids)
             got_tokens = got_tokens or bool(new_ids)
         self.num_cached_tokens = output.num_cached_tokens

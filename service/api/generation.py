@@ -245,3 +245,4 @@ class ChoiceAccumulator:
         whole.token_ids += delta.token_ids
         whole.logprobs += delta.logprobs
         whole.finish_reason = delta.finish_reason or whole.finish_reason
+        whole.stop_reason = delta.stop_reason if delta.finish_reason else whole.stop_reason

@@ -82,15 +82,15 @@ def _usage(generation: Generation) -> dict:
             "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
 
 
-def _stop(generation: Generation, finish_reason: str | None, stops: list[str],
+def _stop(finish_reason: str | None, matched: int | str | None, stops: list[str],
           called: bool) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence) for the chat finish_reason; `called`: the answer holds a tool_use block (a
-    named tool choice finishes with "stop" in chat, as OpenAI's does, and with tool_use here, as Anthropic's)."""
+    """(stop_reason, stop_sequence) for the chat finish_reason; `matched`: the engine's stop reason (the stop
+    string or id that ended it); `called`: the answer holds a tool_use block (a named tool choice finishes
+    with "stop" in chat, as OpenAI's does, and with tool_use here, as Anthropic's)."""
     if called:
         return "tool_use", None
     if finish_reason in STOP_REASONS:
         return STOP_REASONS[finish_reason], None
-    matched = generation.streams[0].stop_reasons[0]
     if isinstance(matched, str) and matched in stops:
         return "stop_sequence", matched
     return ("end_turn" if finish_reason is not None else None), None
@@ -116,11 +116,12 @@ async def _whole(generation: Generation, message_id: str, stops: list[str]) -> w
     async for deltas in generation.deltas():
         for index, delta in deltas:
             acc.add(index, delta)
-    choice = generation.fmt.final_choice(0, acc.choices[0])
+    whole = acc.choices[0]
+    choice = generation.fmt.final_choice(0, whole)
     await generation.usage_recorded()  # the answer goes out only once its bill is on disk
     blocks = _blocks(choice["message"])
     called = any(block["type"] == "tool_use" for block in blocks)
-    stop_reason, stop_sequence = _stop(generation, choice["finish_reason"], stops, called)
+    stop_reason, stop_sequence = _stop(choice["finish_reason"], whole.stop_reason, stops, called)
     return web.json_response(_message(generation, message_id, blocks, stop_reason, stop_sequence))
 
 
@@ -174,7 +175,7 @@ async def _stream(request: web.Request, generation: Generation, message_id: str,
     fmt = generation.fmt
     blocks = _Blocks()
     started = False
-    finish_reason = None
+    finish_reason = matched = None
     try:
         async for deltas in generation.deltas():
             out: list[bytes] = []
@@ -192,6 +193,7 @@ async def _stream(request: web.Request, generation: Generation, message_id: str,
                 for call in message.get("tool_calls") or []:
                     out += blocks.tool_call(call)
                 finish_reason = choice["finish_reason"] or finish_reason
+                matched = delta.stop_reason if delta.finish_reason else matched
             if out:
                 await response.write(b"".join(out))
     except (ConnectionResetError, ConnectionError):
@@ -206,7 +208,7 @@ async def _stream(request: web.Request, generation: Generation, message_id: str,
         await response.write(_event("error", exc.anthropic_body()))
         await response.write_eof()
         return response
-    stop_reason, stop_sequence = _stop(generation, finish_reason, stops, blocks.called)
+    stop_reason, stop_sequence = _stop(finish_reason, matched, stops, blocks.called)
     usage = _usage(generation)
     await response.write(b"".join([
         *blocks.close(),

@@ -231,14 +231,15 @@ def test_under_a_flood_fair_starts_the_light_tenant_within_three_steps_and_chang
     assert fair == fcfs  # a preempted sequence is recomputed from its tokens: greedy outputs are the same
 
 
-def test_fair_never_starts_a_cached_prompt_ahead_of_an_earlier_uncached_one(stories_dir):
+@pytest.mark.parametrize("scheduling", ["fcfs", "fair"])
+def test_neither_policy_starts_a_cached_prompt_ahead_of_an_earlier_uncached_one(stories_dir, scheduling):
     """OptiLeak: a scheduler that favours cache hits tells a client, through the order of its answers, which of
     its prompts hit. One seat, so answers start in admission order. The attacker's probes alternate between an
     operator-shared prefix that is cached (hits) and other tokens (misses), among another tenant's requests:
     they start in the order sent, whatever hit."""
     from runtime import Engine
 
-    engine = Engine.from_pretrained(stories_dir, num_blocks=256, max_num_seqs=1, scheduling="fair")
+    engine = Engine.from_pretrained(stories_dir, num_blocks=256, max_num_seqs=1, scheduling=scheduling)
     shared = engine.tokenize("Once upon a time, there was a little girl named Lily. She loved to play in the park "
                              "with her dog and her friends every day after school.")
     shared_len = len(shared) // BS * BS

@@ -3,7 +3,11 @@ r"""How many drafts each sequence verifies this step: only as many as pay for th
 A step that computes T tokens takes about t0 + t1 * T seconds (t0: reading the weights, the
 fixed part; t1: one more token's compute). The engine times its steps and fits both
 (`StepCostModel`, least squares with exponential forgetting, held near a prior until steps of
-different sizes have been seen).
+different sizes have been seen). The fit leaves out the engine's first step, which pays the
+process's one-time costs (first touch of the weights, the kernels' first calls: 18 ms against a
+warm 2.7 ms for stories260K's first 28-token prompt, which fitted alone said no draft pays for the
+next hundred steps), and holds any step to OUTLIER_RATIO times what the fit predicted for it, so a
+step stalled by the machine cannot steer the policy for long.
 
 A sequence gets its j-th draft's token with probability g_j (every earlier draft must be kept
 too). Drafting raises a step's expected output E by g_j and its time t by t1, so it pays while
@@ -31,6 +35,8 @@ class StepCostModel:
 
     DECAY = 0.98  # weight of the past per observed step
     PRIOR_SPREAD = 16.0  # tokens squared: how much spread in step sizes the prior's slope is worth
+    WARMUP_STEPS = 1  # the engine's first steps, not fitted: they pay one-time costs
+    OUTLIER_RATIO = 3.0  # a step is fitted as at most this many times its predicted seconds
 
     def __init__(self, relative_token_cost: float) -> None:
         self.relative_token_cost = relative_token_cost  # t1 / t0 before any step is timed
@@ -38,8 +44,14 @@ class StepCostModel:
         self._num_steps = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """One step's size and wall time."""
+        """One step's size and wall time (the first WARMUP_STEPS are skipped; stalls are held down)."""
+        self._num_steps += 1
+        if self._num_steps <= self.WARMUP_STEPS:
+            return
         s = self._sums
+        if s[0] > 0.0:
+            t0, t1 = self.coefficients()
+            seconds = min(seconds, self.OUTLIER_RATIO * (t0 + t1 * num_tokens))
         for i in range(5):
             s[i] *= self.DECAY
         x, y = float(num_tokens), seconds
@@ -48,7 +60,6 @@ class StepCostModel:
         s[2] += y
         s[3] += x * x
         s[4] += x * y
-        self._num_steps += 1
 
     def coefficients(self) -> tuple[float, float]:
         """(t0, t1) in seconds: the fitted line, its slope held toward the prior's until the sizes vary.

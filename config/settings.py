@@ -145,6 +145,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 8000
     max_body_bytes: int = 1024 * 1024
     max_queued_requests: int = 256  # requests waiting beyond max_num_seqs; past it: wait for a place, then 429
+    responses_retention_s: float = 30 * 86400.0  # stored Responses API responses are deleted after this (OpenAI: 30 days)
     admission_wait_s: float = 10.0  # how long a request waits for a place in flight (fair across tenants); 0: 429 at once
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
@@ -166,6 +167,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.max_body_bytes must be at least 1024")
         if self.max_queued_requests < 0:
             raise ConfigError("server.max_queued_requests must be >= 0")
+        if not self.responses_retention_s > 0:
+            raise ConfigError("server.responses_retention_s must be > 0")
         if self.admission_wait_s < 0:
             raise ConfigError("server.admission_wait_s must be >= 0")
         if self.usage_write_timeout_s <= 0:

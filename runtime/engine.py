@@ -397,6 +397,7 @@ class Engine(RequestBuilder):
             num_cached_tokens=request.num_cached_tokens or 0,
             finished=final,
             num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
+            num_cache_written_tokens=request.num_cache_written_tokens,
         )
 
     # --- offline convenience ------------------------------------------------------------

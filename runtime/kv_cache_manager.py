@@ -78,9 +78,13 @@ class KVCacheManager:
             return
         self.update_block_hashes(seq)
         hashes, events = seq.block_hashes, self.pool.kv_events
+        num_prompt_pages = seq.num_prompt_tokens // self.block_size
         for i in range(start, num_full):
-            if self.pool.cache_full_block(table[i], hashes[i]) and events is not None:
-                events.append(self._stored_event(seq, i))
+            if self.pool.cache_full_block(table[i], hashes[i]):
+                if i < num_prompt_pages:  # a page of the prompt written to the cache (Anthropic's cache creation)
+                    seq.request.num_cache_written_tokens += self.block_size
+                if events is not None:
+                    events.append(self._stored_event(seq, i))
         self.num_hashed_blocks[seq.seq_id] = num_full
 
     def _stored_event(self, seq: Sequence, i: int) -> BlockStored:

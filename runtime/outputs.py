@@ -50,6 +50,7 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     num_accepted_prediction_tokens: int = 0  # of which verification kept (all samples)
+    num_cache_written_tokens: int = 0  # prompt tokens in pages this request put into the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

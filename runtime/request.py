@@ -64,6 +64,7 @@ class Request:
         self.prediction_token_ids = prediction_token_ids or []  # OpenAI's `prediction`, tokenized: drafts
         self.num_accepted_prediction_tokens = 0  # predicted tokens kept by verification (all samples)
         self.num_cached_tokens: int | None = None  # prefix hit at first scheduling
+        self.num_cache_written_tokens = 0  # prompt tokens in pages this request put into the prefix cache
         self.sequences: list[Sequence] = []
         self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then
         self.aborted = False

@@ -28,6 +28,8 @@ from service.errors import error_middleware
 from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
 from service.api.messages import count_tokens, messages
+from service.api.responses import cancel_response, create_response, delete_response, get_response, list_input_items
+from service.responses_store import RedisResponseStore, SQLiteResponseStore
 from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
 
@@ -157,8 +159,11 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
             prefix_index = None
         model_name = settings.server.served_model_name or engine.model_name
         replica_id = settings.server.replica_id or f"{socket.gethostname()}:{settings.server.port}"
+        retention = settings.server.responses_retention_s
+        responses = (RedisResponseStore(redis_client, retention) if redis_client is not None
+                     else SQLiteResponseStore(Path(settings.server.data_dir) / "responses.sqlite3", retention))
         state = ServiceState(settings, engine, bridge, ServiceMetrics(lambda: bridge.stats, model_name), model_name, tenants,
-                             ledger, journal, pins, limiter, prefix_index, replica_id)
+                             ledger, journal, pins, limiter, prefix_index, replica_id, responses)
         app[STATE] = state
         publisher = _feed_prefix_index(state, bridge) if embedded else None
         bridge.start()
@@ -176,6 +181,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         await journal.stop()
         await ledger.close()
         await pins.close()
+        await responses.close()
         if prefix_index is not None:
             await prefix_index.close()
         if redis_client is not None:
@@ -191,6 +197,11 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/stream", websocket_stream)
     app.router.add_get("/health", health)

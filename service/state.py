@@ -21,6 +21,7 @@ from service.metrics import ServiceMetrics
 from service.pins import PinRegistry
 from service.prefix_index import PrefixIndex
 from service.rate_limit import RateLimiter
+from service.responses_store import ResponseStore
 from service.tenants import Tenant, TenantDirectory
 
 
@@ -38,6 +39,8 @@ class ServiceState:
     limiter: RateLimiter
     prefix_index: PrefixIndex | None  # None behind Dynamo: its indexer is the one source of truth
     replica_id: str
+    responses: ResponseStore | None = None  # stored Responses API responses (SQLite, or Redis when configured)
+    running_responses: dict = field(default_factory=dict)  # (tenant, response id) -> its responses.Run, while it runs
     draining: bool = False
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done

@@ -37,6 +37,7 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
         self.num_cached_tokens = 0
+        self.num_cache_written_tokens = 0  # prompt tokens this request put into the prefix cache
         self.num_accepted_prediction_tokens = 0
         self.num_completion_tokens = [0] * n  # per choice, tokens handed to the reader
         self.finish_reasons: list[str | None] = [None] * n
@@ -74,6 +75,7 @@ class RequestStream:
             self.num_completion_tokens[index] += len(new_ids)
             got_tokens = got_tokens or bool(new_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        self.num_cache_written_tokens = output.num_cache_written_tokens
         self.num_accepted_prediction_tokens = output.num_accepted_prediction_tokens
         if got_tokens:
             if self.first_token_at is None:

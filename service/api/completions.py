@@ -21,8 +21,10 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
                "X-Accel-Buffering": "no"}
 
 
-async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant) -> Generation:
-    """Validate a chat body and build its Generation (not admitted, not started).
+async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant,
+                          request_id: str | None = None) -> Generation:
+    """Validate a chat body and build its Generation (not admitted, not started); `request_id`: the API's own
+    id for it (a Responses API `resp_...`), else a chat completion id.
 
     Its tools (service/api/tools.py) go into the prompt and may constrain the output; the
     output's grammar is compiled here, off the event loop, before anything is queued.
@@ -30,7 +32,7 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     prompt, plan, constraint = chat_prompt(state, body)
     grammar = await state.compile_grammar(constraint)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    fmt = ChatFormat(new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
+    fmt = ChatFormat(request_id or new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
                      tool_plan=plan if plan is not None and plan.choice != "none" else None)
     return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
 

@@ -123,6 +123,11 @@ class Generation:
             except Exception:  # never break the delivery of other streams; the handler then answers 503
                 log.exception("billing at the engine's end failed", request_id=self.fmt.response_id)
 
+    @property
+    def num_cache_written_tokens(self) -> int:
+        """Prompt tokens this request put into the prefix cache (at most its uncached prompt tokens)."""
+        return sum(min(s.num_cache_written_tokens, s.num_prompt_tokens - s.num_cached_tokens) for s in self.streams)
+
     def usage(self) -> dict:
         usage = usage_dict(
             sum(s.num_prompt_tokens for s in self.streams),

@@ -7,9 +7,10 @@ tenant, limits, ledger, prefix cache, tools and grammar path. What comes back is
     chat message content / tool_calls  ->  content blocks: text / tool_use (input: the arguments object)
     finish_reason stop / length / tool_calls  ->  stop_reason end_turn (stop_sequence when a stop
                                                    sequence ended it) / max_tokens / tool_use
-    usage prompt / cached / completion   ->  input_tokens (not read from cache), cache_read_input_tokens,
-                                              cache_creation_input_tokens (0: see messages_protocol.py),
-                                              output_tokens
+    usage prompt / cached / completion   ->  input_tokens (neither read from nor written to the cache),
+                                              cache_read_input_tokens, cache_creation_input_tokens (the
+                                              prompt's full pages this request put into the prefix cache:
+                                              every full page is cached, marked or not), output_tokens
 
 Streaming sends Anthropic's named events: message_start (once the first token is there, so its
 usage knows the cached part), ping, content_block_start / content_block_delta (text_delta,
@@ -78,7 +79,8 @@ async def count_tokens(request: web.Request) -> web.Response:
 def _usage(generation: Generation) -> dict:
     usage = generation.usage()
     cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
+    written = generation.num_cache_written_tokens
+    return {"input_tokens": usage["prompt_tokens"] - cached - written, "cache_creation_input_tokens": written,
             "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
 
 
@@ -217,7 +219,7 @@ async def _stream(request: web.Request, generation: Generation, message_id: str,
                                  "usage": {"output_tokens": usage["output_tokens"],
                                            "input_tokens": usage["input_tokens"],
                                            "cache_read_input_tokens": usage["cache_read_input_tokens"],
-                                           "cache_creation_input_tokens": 0}}),
+                                           "cache_creation_input_tokens": usage["cache_creation_input_tokens"]}}),
         _event("message_stop", {"type": "message_stop"}),
     ]))
     await response.write_eof()

@@ -76,6 +76,7 @@ class Output(msgspec.Struct, tag="output"):
     choices: list[Choice]
     num_cached_tokens: int
     num_accepted_prediction_tokens: int = 0
+    num_cache_written_tokens: int = 0
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -83,6 +84,7 @@ class Done(msgspec.Struct, tag="done"):
 
     num_cached_tokens: int
     num_accepted_prediction_tokens: int = 0
+    num_cache_written_tokens: int = 0
 
 
 class Failure(msgspec.Struct, tag="failure"):
@@ -171,4 +173,5 @@ def request_output(request_id: str, prompt_token_ids: list[int], frame: Output |
                                             new_token_ids=choice.token_ids, finish_reason=choice.finish_reason,
                                             stop_reason=choice.stop_reason, new_logprobs=logprobs))
     return RequestOutput(request_id, None, prompt_token_ids, outputs, frame.num_cached_tokens, finished,
-                         num_accepted_prediction_tokens=frame.num_accepted_prediction_tokens)
+                         num_accepted_prediction_tokens=frame.num_accepted_prediction_tokens,
+                         num_cache_written_tokens=frame.num_cache_written_tokens)

@@ -105,8 +105,9 @@ class Worker:
                     yield wire.Waiting()
                 else:
                     yield wire.Output([wire.choice_of(d) for d in deltas], stream.num_cached_tokens,
-                                      stream.num_accepted_prediction_tokens)
-            yield wire.Done(stream.num_cached_tokens, stream.num_accepted_prediction_tokens)
+                                      stream.num_accepted_prediction_tokens, stream.num_cache_written_tokens)
+            yield wire.Done(stream.num_cached_tokens, stream.num_accepted_prediction_tokens,
+                            stream.num_cache_written_tokens)
         except Exception as exc:  # the engine failed the request (stream.fail)
             log.warning("request failed on the worker", request_id=request.request_id, error=repr(exc))
             yield wire.Failure(f"the worker's engine failed the request: {exc}")

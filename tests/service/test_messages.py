@@ -59,7 +59,8 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(server, clien
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     usage, chat_usage = message.usage, chat["usage"]
     assert usage.output_tokens == 12
-    assert usage.input_tokens + usage.cache_read_input_tokens == chat_usage["prompt_tokens"]
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == \
+        chat_usage["prompt_tokens"]
     # the same conversation again: its pages are read from the cache, and input_tokens counts only the rest
     assert usage.cache_read_input_tokens > 0 and usage.cache_creation_input_tokens == 0
     counted = client.messages.count_tokens(model=MODEL, system=SYSTEM,
@@ -161,7 +162,44 @@ def test_usage_is_billed_with_the_cached_part_at_its_own_price(server, client):
     usage = message.usage
     assert after["requests"] - before["requests"] == 1
     assert after["cached_tokens"] - before["cached_tokens"] == usage.cache_read_input_tokens > 0
-    assert after["prompt_tokens"] - before["prompt_tokens"] == usage.input_tokens + usage.cache_read_input_tokens
+    assert after["prompt_tokens"] - before["prompt_tokens"] == \
+        usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cache_control_prefix_is_written_once_then_read_and_a_cache_salt_splits_it(server, client, stream):
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    salt = f"recipes-{stream}"  # a cache scope of its own: nothing before this test wrote to it
+    page = 16
+
+    def ask(question: str, cache_salt: str = salt):
+        kwargs = dict(model=MODEL, max_tokens=3, system=system, messages=[{"role": "user", "content": question}],
+                      extra_body={**GREEDY, "cache_salt": cache_salt})
+        if not stream:
+            return client.messages.create(**kwargs).usage
+        with client.messages.stream(**kwargs) as events:
+            return events.get_final_message().usage
+
+    def prompt_tokens(question: str) -> int:
+        return client.messages.count_tokens(model=MODEL, system=system,
+                                            messages=[{"role": "user", "content": question}]).input_tokens
+
+    first = ask("Rye?")
+    # nothing was cached: every full page of the prompt is written, the partial last page is plain input
+    assert first.cache_read_input_tokens == 0
+    assert first.cache_creation_input_tokens == prompt_tokens("Rye?") // page * page
+    assert first.input_tokens == prompt_tokens("Rye?") - first.cache_creation_input_tokens
+    second = ask("Spelt?")
+    # the prefix the two prompts share (the marked system prompt, up to the question) is read back, every full
+    # page of it, and nothing is written twice
+    prompts = [server.state.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                            {"role": "user", "content": q}]) for q in ("Rye?", "Spelt?")]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert second.cache_read_input_tokens == shared // page * page >= 10 * page
+    assert second.input_tokens + second.cache_read_input_tokens + second.cache_creation_input_tokens == \
+        prompt_tokens("Spelt?")
+    other = ask("Spelt?", cache_salt=f"{salt}-other")  # the same tenant, another salt: a cache of its own
+    assert other.cache_read_input_tokens == 0 and other.cache_creation_input_tokens > 0
 
 
 def test_output_config_format_constrains_the_answer_and_prefill_is_refused(server, client):

@@ -29,6 +29,7 @@ from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
 from service.api.messages import count_tokens, messages
 from service.api.responses import cancel_response, create_response, delete_response, get_response, list_input_items
+from service.api.responses_socket import responses_websocket
 from service.responses_store import RedisResponseStore, SQLiteResponseStore
 from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
@@ -198,6 +199,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses", responses_websocket)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)

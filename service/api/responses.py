@@ -259,29 +259,35 @@ async def _prepare(state: ServiceState, tenant: Tenant, body: ResponsesRequest) 
     return Run(state, tenant, body, generation, response_id, input_items, context)
 
 
-def _running(state: ServiceState) -> dict[tuple[str, str], Run]:
-    return state.running_responses
+async def start_run(state: ServiceState, tenant: Tenant, raw: bytes | dict) -> Run:
+    """A create body (JSON bytes, or a decoded object) validated, its prompt built and admitted; not started."""
+    if isinstance(raw, bytes):
+        body = msgspec.json.decode(raw, type=ResponsesRequest, strict=True)
+    else:
+        body = msgspec.convert(raw, ResponsesRequest, strict=True)
+    body.check_fields()
+    state.check_model(body.model)
+    run = await _prepare(state, tenant, body)
+    await run.generation.admit()
+    return run
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    body = msgspec.json.decode(await request.read(), type=ResponsesRequest, strict=True)
-    body.check_fields()
-    state.check_model(body.model)
-    run = await _prepare(state, tenant, body)
-    await run.generation.admit()
+    run = await start_run(state, tenant, await request.read())
+    body = run.body
     key = (tenant.tenant_id, run.response_id)
     headers = {IGNORED_HEADER: ", ".join(body.ignored())} if body.ignored() else {}
-    _running(state)[key] = run
+    state.running_responses[key] = run
     if body.background:
         try:
             run.generation.start()
             response = run.response(with_usage=False)
             await state.responses.put(tenant.tenant_id, run.response_id, StoredResponse(response, run.input_items, []))
         except BaseException:
-            _running(state).pop(key, None)
+            state.running_responses.pop(key, None)
             run.generation.finish()
             raise
         state.spawn(_background(run, key))
@@ -292,7 +298,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return await _stream(request, run, headers)
         return await _whole(run, headers)
     finally:
-        _running(state).pop(key, None)
+        state.running_responses.pop(key, None)
         run.generation.finish()
         if not run.ended.done():
             run.ended.set_result(run.response())
@@ -339,49 +345,61 @@ def _sse(event: dict) -> bytes:
 async def _stream(request: web.Request, run: Run, headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await response.prepare(request)
+    try:
+        await drive(run, lambda events: response.write(b"".join(_sse(event) for event in events)))
+    except (ConnectionResetError, ConnectionError):
+        return response  # the client left: drive() cancelled and stored the run; finish() bills it
+    await response.write_eof()
+    return response
+
+
+async def drive(run: Run, emit) -> None:
+    """Run a started response to its end, handing its events, numbered, to `await emit(events)`.
+
+    The last events go out once the usage is on disk and the response is stored. If `emit` raises
+    ConnectionError (the client left) or the task is cancelled, the run is cancelled, stored as it
+    stands (status cancelled), and that re-raised.
+    """
     sequence = 0
 
-    def encode(events: list[dict]) -> bytes:
+    def numbered(events: list[dict]) -> list[dict]:
         nonlocal sequence
-        out = []
         for event in events:
             event["sequence_number"] = sequence
             sequence += 1
-            out.append(_sse(event))
-        return b"".join(out)
+        return events
 
-    start = run.response(with_usage=False)
-    await response.write(encode([{"type": "response.created", "response": start},
-                                 {"type": "response.in_progress", "response": start}]))
     failure: APIError | None = None
     try:
+        start = run.response(with_usage=False)
+        await emit(numbered([{"type": "response.created", "response": start},
+                             {"type": "response.in_progress", "response": start}]))
         async for deltas in run.generation.deltas():
             events = run.events(deltas)
             if events:
-                await response.write(encode(events))
+                await emit(numbered(events))
         closing = run.close()
         await run.generation.usage_recorded()  # the stream's end goes out only once its bill is on disk
-    except (ConnectionResetError, ConnectionError):
+    except (ConnectionResetError, ConnectionError, asyncio.CancelledError):  # the client left, or its task was stopped
         run.cancel()
         run.close()
         if not run.ended.done():
             run.ended.set_result(await _store_quietly(run))
-        return response  # the client left; finish() aborts the engine request and bills it
+        raise
     except Exception as exc:
         failure = from_exception(exc)
         run.fail(failure)
         closing = run.items.close("incomplete")
     stored = await _store_quietly(run)
+    if not run.ended.done():
+        run.ended.set_result(stored)
     if failure is not None:
         last = [{"type": "error", "code": failure.code, "message": failure.message, "param": failure.param},
                 {"type": "response.failed", "response": stored}]
     else:
         kind = "response.completed" if run.status == "completed" else "response.incomplete"
         last = [{"type": kind, "response": stored}]
-    await response.write(encode(closing + last))
-    run.ended.set_result(stored)
-    await response.write_eof()
-    return response
+    await emit(numbered(closing + last))
 
 
 async def _store_quietly(run: Run) -> dict:

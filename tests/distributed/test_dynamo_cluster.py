@@ -196,6 +196,35 @@ def test_structured_outputs_and_tool_calls_cross_to_the_workers(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"  # refused before it leaves
 
 
+def test_responses_and_messages_work_through_the_front_doors_which_share_stored_responses(cluster):
+    front, second = cluster["front"], cluster["second"]
+    body = {"model": "stories260K", "instructions": SYSTEM, "input": "Tell me about Max.", "max_output_tokens": 8,
+            "temperature": 0}
+    first = requests.post(front.url + "/v1/responses", json=body, headers=_headers(ACME), timeout=60).json()
+    assert first["status"] == "incomplete" and first["usage"]["output_tokens"] == 8, first
+    text = first["output"][0]["content"][0]["text"]
+    assert text == _chat(front, ACME, "Tell me about Max.", max_tokens=8)["choices"][0]["message"]["content"]
+    # the store is Redis: the other front door reads and continues it, for its tenant only
+    fetched = requests.get(f"{second.url}/v1/responses/{first['id']}", headers=_headers(ACME), timeout=10)
+    assert fetched.status_code == 200 and fetched.json() == first
+    assert requests.get(f"{second.url}/v1/responses/{first['id']}", headers=_headers(GLOBEX), timeout=10).status_code == 404
+    follow = {"model": "stories260K", "instructions": SYSTEM, "previous_response_id": first["id"], "input": "And Lily?",
+              "max_output_tokens": 6, "temperature": 0}
+    turn = requests.post(second.url + "/v1/responses", json=follow, headers=_headers(ACME), timeout=60).json()
+    whole = _chat(second, ACME, "", max_tokens=6, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about Max."},
+        {"role": "assistant", "content": text}, {"role": "user", "content": "And Lily?"}])
+    assert turn["output"][0]["content"][0]["text"] == whole["choices"][0]["message"]["content"]
+    assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] // 16 * 16
+    message = requests.post(front.url + "/v1/messages", headers={"x-api-key": ACME}, timeout=60, json={
+        "model": "stories260K", "max_tokens": 8, "temperature": 0, "system": SYSTEM,
+        "messages": [{"role": "user", "content": "Tell me about Max."}]}).json()
+    assert message["content"][0]["text"] == text and message["stop_reason"] == "max_tokens"
+    usage = message["usage"]
+    assert usage["cache_read_input_tokens"] > 0 and usage["input_tokens"] + usage["cache_read_input_tokens"] + \
+        usage["cache_creation_input_tokens"] == first["usage"]["input_tokens"]
+
+
 def test_a_second_front_door_serves_the_websocket_and_shares_the_ledger(cluster):
     websockets = pytest.importorskip("websockets")
     front, second = cluster["front"], cluster["second"]

@@ -269,3 +269,47 @@ def test_ignored_fields_are_named(server):
                              "service_tier": "flex"})
     assert response.status_code == 200
     assert response.headers["pagedserve-ignored-fields"] == "reasoning, service_tier"
+
+
+def _lane_events(connection, want_done: set[str]) -> dict[str, list]:
+    """Events by stream_id until every lane in `want_done` has its final event."""
+    lanes: dict[str, list] = {}
+    done: set[str] = set()
+    while not want_done <= done:
+        event = connection.recv()
+        assert event.type != "error", event
+        lanes.setdefault(event.stream_id, []).append(event)
+        if event.type in ("response.completed", "response.incomplete", "response.failed"):
+            done.add(event.stream_id)
+    return lanes
+
+
+def test_the_websocket_runs_responses_at_once_on_lanes_and_cancels_by_id(client):
+    create = {"type": "response.create", "model": MODEL, "temperature": 0}
+    short = client.responses.create(model=MODEL, input="Hi there", max_output_tokens=6, temperature=0, store=False)
+    with client.responses.connect() as connection:
+        connection.send({**create, "input": "Tell me a very long story.", "max_output_tokens": 1500, "stream_id": "long"})
+        first = connection.recv()
+        assert first.type == "response.created" and first.stream_id == "long"
+        long_id = first.response.id
+        connection.send({**create, "input": "Hi there", "max_output_tokens": 6, "stream_id": "short"})
+        lanes = _lane_events(connection, {"short"})  # the short one ends while the long one still runs
+        assert lanes["short"][-1].response.output_text == short.output_text
+        assert [e.sequence_number for e in lanes["short"]] == list(range(len(lanes["short"])))
+        assert lanes["short"][-1].response.id != long_id
+        connection.send_raw(json.dumps({"type": "response.cancel", "response_id": long_id}))
+        lanes = _lane_events(connection, {"long"})
+        final = lanes["long"][-1]
+        assert final.type == "response.incomplete" and final.response.status == "cancelled"
+        assert 0 < final.response.usage.output_tokens < 1500
+        assert client.responses.retrieve(long_id).status == "cancelled"
+        # one lane runs its creates in order: the second starts once the first has ended
+        connection.send({**create, "input": "One", "max_output_tokens": 3, "stream_id": "fifo"})
+        connection.send({**create, "input": "Two", "max_output_tokens": 3, "stream_id": "fifo"})
+        kinds = []
+        while kinds.count("response.incomplete") + kinds.count("response.completed") < 2:
+            kinds.append(connection.recv().type)
+        assert kinds.index("response.created", 1) > kinds.index("response.incomplete")
+        connection.send_raw(json.dumps({"type": "response.create", "model": MODEL, "input": "x", "stream": True}))
+        error = connection.recv()
+        assert error.type == "error" and error.error.param == "stream" and error.status == 400

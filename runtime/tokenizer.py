@@ -83,6 +83,10 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's own string for one token ("▁and", "<0xE6>"), as transformers' convert_ids_to_tokens."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
     def raw_byte(self, token_id: int) -> int | None:
         """The byte a byte-fallback token ("<0xE6>") stands for; None for any other token."""
         piece = self._tokenizer.id_to_token(token_id)
@@ -115,6 +119,12 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def token_piece(self, token_id: int) -> str:
+        """"<0xE6>" for a byte, the special token's name otherwise."""
+        if token_id < 256:
+            return f"<0x{token_id:02X}>"
+        return self.bos_token if token_id == self.bos_token_id else self.eos_token
 
     def raw_byte(self, token_id: int) -> int | None:
         """Ids 0..255 are bytes; None for <bos> and <eos>."""

@@ -30,6 +30,7 @@ from service.api.completions import chat_completions, completions, list_models
 from service.api.messages import count_tokens, messages
 from service.api.responses import cancel_response, create_response, delete_response, get_response, list_input_items
 from service.api.responses_socket import responses_websocket
+from service.api.tokenize import detokenize, tokenize
 from service.responses_store import RedisResponseStore, SQLiteResponseStore
 from service.state import STATE, ServiceState
 from service.api.websocket import websocket_stream
@@ -205,6 +206,8 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/stream", websocket_stream)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -128,6 +128,14 @@ class ServiceMetrics:
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Request latency, arrival to end",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.api_requests = Counter("pagedserve_api_requests", "Finished API requests by API", ["api"],
+                                    registry=self.registry)
+        self.requests_by_api: dict[str, int] = {}  # the same counts, for the dashboard
+
+    def count_api(self, api: str) -> None:
+        """One finished request of `api` (chat.completions, completions, messages, responses)."""
+        self.api_requests.labels(api=api).inc()
+        self.requests_by_api[api] = self.requests_by_api.get(api, 0) + 1
 
     def observe(self, stream: RequestStream, finish_reason: str, elapsed: float) -> None:
         self.prompt_tokens.inc(stream.num_prompt_tokens)

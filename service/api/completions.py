@@ -37,8 +37,8 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
 
 
-def chat_prompt(state: ServiceState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None,
-                                                                          StructuredOutputs | None]:
+def chat_prompt(state: ServiceState, body: ChatCompletionRequest, add_generation_prompt: bool = True
+                ) -> tuple[list[int], ToolPlan | None, StructuredOutputs | None]:
     """A chat body's prompt (token ids, its tools shown as the template shows them), its tool plan, and the
     output's constraint (the tool plan's, else the body's); validated, nothing compiled."""
     state.check_model(body.model)
@@ -50,7 +50,8 @@ def chat_prompt(state: ServiceState, body: ChatCompletionRequest) -> tuple[list[
     described = fallback_system_prompt(plan) if plan is not None and template.is_fallback else None
     if described is not None:  # no template to show the tools: a system message does
         messages = [{"role": "system", "content": described}, *messages]
-    prompt = state.tokenizer.apply_chat_template(messages, tools=plan.tools if plan is not None else None)
+    prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                 tools=plan.tools if plan is not None else None)
     return prompt, plan, (plan.constraint() if plan is not None else None) or requested
 
 
@@ -118,13 +119,16 @@ async def _stream_sse(request: web.Request, generation: Generation) -> web.Strea
     response = web.StreamResponse(headers={**SSE_HEADERS, **_ignored_header(generation)})
     await response.prepare(request)
     fmt = generation.fmt
-    include_usage = generation.body.include_usage
+    include_usage, continuous = generation.body.include_usage, generation.body.continuous_usage
     started: set[int] = set()
     try:
         async for deltas in generation.deltas():
             choices = [fmt.delta_choice(index, delta, first=index not in started) for index, delta in deltas]
             started.update(index for index, _ in deltas)
-            await response.write(fmt.sse_event(choices, include_usage))
+            if continuous:  # the usage so far on every chunk
+                await response.write(_event(fmt.chunk(choices, generation.usage(), True)))
+            else:
+                await response.write(fmt.sse_event(choices, include_usage))
     except (ConnectionResetError, ConnectionError):
         return response  # the client left; finish() aborts the engine requests
     except Exception as exc:

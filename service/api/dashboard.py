@@ -24,6 +24,8 @@ An event's data is one JSON object (compact: what the page draws, no prompt text
     scheduling       "fcfs" or "fair"
     tenants          one row per tenant served: [tenant, virtual token counter, weight, prompt
                      tokens computed, tokens generated, sequences waiting, sequences running]
+    apis             finished requests by API: {"chat.completions": n, "completions": n, "messages": n,
+                     "responses": n} (those seen so far)
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _sample_index(seq: dict) -> int:
     return int(index) if index else 0
 
 
-def compact_page_map(snapshot: dict, model: str, max_model_len: int) -> dict:
+def compact_page_map(snapshot: dict, model: str, max_model_len: int, apis: dict[str, int] | None = None) -> dict:
     """engine.page_map() -> the event payload described in the module docstring."""
     block_size = snapshot["block_size"]
     ref_count, cached = snapshot["ref_count"], snapshot["cached"]
@@ -77,6 +79,7 @@ def compact_page_map(snapshot: dict, model: str, max_model_len: int) -> dict:
         "tenants": [[tenant, round(row["virtual_tokens"], 1), row["weight"], row["served_input_tokens"],
                      row["served_output_tokens"], row["num_waiting"], row["num_running"]]
                     for tenant, row in sorted(stats.get("tenants", {}).items())],
+        "apis": dict(sorted((apis or {}).items())),
     }
 
 
@@ -133,7 +136,8 @@ class PageMapFeed:
                 await asyncio.sleep(1.0)
                 continue
             failing = False
-            payload = msgspec.json.encode(compact_page_map(snapshot, model, max_model_len))
+            payload = msgspec.json.encode(compact_page_map(snapshot, model, max_model_len,
+                                                           state.metrics.requests_by_api))
             if payload != self.payload:
                 self.payload, self.version = payload, self.version + 1
                 published, self._published = self._published, asyncio.Event()

@@ -90,6 +90,8 @@ class ResponseFormat:
 class ChatFormat(ResponseFormat):
     """Chat bodies; with a ToolPlan, each choice's text goes through its tool call parser."""
 
+    api = "chat.completions"
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
@@ -151,6 +153,8 @@ class ChatFormat(ResponseFormat):
 
 
 class CompletionFormat(ResponseFormat):
+    api = "completions"
+
     """Text completion bodies; with `echo_texts` (one per prompt) each choice's text starts with its prompt."""
 
     object_name = "text_completion"

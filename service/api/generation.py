@@ -70,6 +70,7 @@ class Generation:
         self._finishing = False
         self.num_sequences = len(prompts) * self.n
         self.ignored_fields = ignored_fields(body, body.fields_table)  # named in a header and the summary line
+        self.api = fmt.api  # which API asked (metrics, dashboard, the summary line); Messages and Responses set theirs
 
     async def admit(self) -> None:
         """Server capacity (503/429), then the tenant's limits (429 naming the limit).
@@ -179,9 +180,10 @@ class Generation:
                 log.exception("usage record not journaled", request_id=stream.request_id)
                 on_disk.append(_failed(exc))
             state.metrics.observe(stream, reason, elapsed)
+        state.metrics.count_api(self.api)
         first = self.streams[0]
         log.info(
-            "request finished", request_id=self.fmt.response_id, tenant=self.tenant.tenant_id,
+            "request finished", request_id=self.fmt.response_id, api=self.api, tenant=self.tenant.tenant_id,
             prompt_tokens=usage["prompt_tokens"], cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
             completion_tokens=usage["completion_tokens"],
             ttft_s=None if first.ttft is None else round(first.ttft, 4), total_s=round(elapsed, 4),

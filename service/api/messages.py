@@ -56,6 +56,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = _decode(await request.read(), MessagesRequest)
     chat = decode_body(body.chat_body(), ChatCompletionRequest)
     generation = await chat_generation(state, chat, tenant)
+    generation.api = "messages"
     await generation.admit()
     try:
         generation.start()

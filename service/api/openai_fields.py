@@ -26,7 +26,8 @@ CHAT_FIELDS: dict[str, tuple[str, str]] = {
     "top_p": (SUPPORTED, ""),
     "stop": (SUPPORTED, "up to 4 strings"),
     "stream": (SUPPORTED, ""),
-    "stream_options": (SUPPORTED, "include_usage; include_obfuscation is accepted and ignored (no padding field "
+    "stream_options": (SUPPORTED, "include_usage; continuous_usage_stats (vLLM's: the usage so far on every chunk); "
+                                  "include_obfuscation is accepted and ignored (no padding field "
                                   "is added: the stream is not exposed to a third party)"),
     "seed": (SUPPORTED, ""),
     "presence_penalty": (SUPPORTED, ""),
@@ -67,7 +68,8 @@ COMPLETION_FIELDS: dict[str, tuple[str, str]] = {
     "top_p": (SUPPORTED, ""),
     "stop": (SUPPORTED, "up to 4 strings"),
     "stream": (SUPPORTED, ""),
-    "stream_options": (SUPPORTED, "include_usage; include_obfuscation is accepted and ignored"),
+    "stream_options": (SUPPORTED, "include_usage; continuous_usage_stats (vLLM's: the usage so far on every chunk); "
+                                  "include_obfuscation is accepted and ignored"),
     "seed": (SUPPORTED, ""),
     "presence_penalty": (SUPPORTED, ""),
     "frequency_penalty": (SUPPORTED, ""),

@@ -26,6 +26,7 @@ NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted, ignored (openai_fields)
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -214,6 +215,11 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

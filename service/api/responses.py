@@ -254,6 +254,7 @@ async def _prepare(state: ServiceState, tenant: Tenant, body: ResponsesRequest) 
         chat = decode_body({**body.chat_fields(), "messages": system + context + items_as_messages(input_items)},
                            ChatCompletionRequest)
         generation = await chat_generation(state, chat, tenant, response_id)
+        generation.api = "responses"
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param=_our_param(exc.param), code=exc.code) from exc
     return Run(state, tenant, body, generation, response_id, input_items, context)

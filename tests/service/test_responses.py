@@ -313,3 +313,44 @@ def test_the_websocket_runs_responses_at_once_on_lanes_and_cancels_by_id(client)
         connection.send_raw(json.dumps({"type": "response.create", "model": MODEL, "input": "x", "stream": True}))
         error = connection.recv()
         assert error.type == "error" and error.error.param == "stream" and error.status == 400
+
+
+def test_tokenize_and_detokenize_need_a_key_and_count_the_chat_prompt(server, client):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When do you open?"}]
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
+        assert requests.post(server.url + path, json=body, timeout=10).status_code == 401  # vLLM's are open
+    auth = {"Authorization": f"Bearer {KEY}"}
+    counted = requests.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}, headers=auth,
+                            timeout=10).json()
+    assert counted["count"] == len(counted["tokens"]) == _chat(client, messages, 1)["usage"]["prompt_tokens"]
+    text = requests.post(server.url + "/tokenize", json={"prompt": "Bread and cakes", "return_token_strs": True},
+                         headers=auth, timeout=10).json()
+    assert "".join(text["token_strs"]).replace("\u2581", " ").endswith("Bread and cakes")  # sentencepiece pieces
+    back = requests.post(server.url + "/detokenize", json={"tokens": text["tokens"]}, headers=auth, timeout=10).json()
+    assert back["prompt"] == "Bread and cakes"
+    bad = requests.post(server.url + "/detokenize", json={"tokens": [5, 10 ** 9]}, headers=auth, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count."}], max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+    content = [c for c in chunks if c.choices]
+    assert content and all(c.usage is not None for c in content)
+    produced = [c.usage.completion_tokens for c in content]
+    assert produced == sorted(produced) and produced[-1] == 8 == chunks[-1].usage.completion_tokens
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
+def test_metrics_and_the_dashboard_count_requests_by_api(server, client):
+    client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
+    requests.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=30, json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).raise_for_status()
+    _chat(client, [{"role": "user", "content": "Hi"}], 1)
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    counts = {line.split('api="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("pagedserve_api_requests_total{")}
+    assert counts["responses"] >= 1 and counts["messages"] >= 1 and counts["chat.completions"] >= 1
+    assert server.state.metrics.requests_by_api["responses"] == counts["responses"]

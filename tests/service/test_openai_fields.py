@@ -13,8 +13,11 @@ import openai
 import pytest
 import requests
 
+from openai.types.responses.response_create_params import ResponseCreateParamsBase
+
 from service.api.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, IGNORED, IGNORED_HEADER, MESSAGE_FIELDS,
                                        REFUSED, SUPPORTED)
+from service.api.responses_protocol import RESPONSES_FIELDS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 OFFICIAL = {
@@ -28,8 +31,11 @@ OFFICIAL = {
                     "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                     "top_p", "user"],
     "message": ["role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call"],
+    # createResponse as the official SDK (generated from OpenAI's spec) types it, plus `stream`
+    "responses": [*ResponseCreateParamsBase.__annotations__, "stream"],
 }
-TABLES = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS, "message": MESSAGE_FIELDS}
+TABLES = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS, "message": MESSAGE_FIELDS,
+          "responses": RESPONSES_FIELDS}
 MODEL = "stories260K"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 COMPLETION = {"model": MODEL, "prompt": "Once upon", "max_tokens": 3}
@@ -51,7 +57,8 @@ def test_every_official_field_has_exactly_one_answer(kind):
 
 def test_the_readme_tables_are_the_code_tables():
     text = README.read_text()
-    for kind, title in (("chat", "chat field"), ("message", "message field"), ("completions", "completions field")):
+    for kind, title in (("chat", "chat field"), ("message", "message field"), ("completions", "completions field"),
+                        ("responses", "responses field")):
         block = text[text.index(f"| {title} | answer | notes |"):]
         block = block[: block.index("\n\n")]
         rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| ([^|]*) \|$", block, re.M)
@@ -79,6 +86,27 @@ def test_ignored_fields_are_named_and_refused_ones_are_a_400_naming_them(server,
     backend = requests.post(server.url + path, json={**body, "guided_decoding_backend": "xgrammar"}, timeout=30)
     assert backend.status_code == 200 and backend.headers[IGNORED_HEADER] == "guided_decoding_backend"
     assert options.text.rstrip().endswith("data: [DONE]")
+
+
+RESPONSES_SAMPLES = {
+    "reasoning": {"effort": "low"}, "service_tier": "auto", "prompt_cache_retention": "24h", "prompt_cache_options": {},
+    "max_tool_calls": 3, "background_options": {}, "top_logprobs": 2, "conversation": "conv_1",
+    "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}], "moderation": {}, "image": {},
+    "access_programs": [],
+}
+
+
+def test_responses_ignored_fields_are_named_and_refused_ones_are_a_400_naming_them(server):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False}
+    for name, (answer, _) in RESPONSES_FIELDS.items():
+        if answer == SUPPORTED:
+            continue
+        response = requests.post(server.url + "/v1/responses", json={**body, name: RESPONSES_SAMPLES[name]}, timeout=30)
+        if answer == IGNORED:
+            assert response.status_code == 200 and response.headers[IGNORED_HEADER] == name, (name, response.text)
+        else:
+            assert response.status_code == 400 and response.json()["error"]["param"] == name, (name, response.text)
+    assert IGNORED_HEADER not in requests.post(server.url + "/v1/responses", json=body, timeout=30).headers
 
 
 def test_message_fields(server):

@@ -3,7 +3,7 @@ from one stub-engine server (bench/stub_engine.py: tokens are made instantly), s
 
     .venv/bin/python bench/bench_apis.py [--quick]
 
-64 concurrent streams of 256 tokens per API, the APIs alternated in rotated order for several
+64 concurrent streams of 2,048 tokens per API, the APIs alternated in rotated order for several
 rounds. Each stub token's text is the microsecond it was made, so the client counts tokens
 (from the delta events only: chat chunks, Messages' content_block_delta, Responses'
 response.output_text.delta) and each token's added latency. Reported per API: tokens/s
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     quick_mode(args.quick)
-    concurrency, num_tokens, rounds = (64, 64, 2) if args.quick else (64, 256, 5)
+    concurrency, num_tokens, rounds = (64, 64, 2) if args.quick else (64, 2048, 5)
     port = free_port()
     stub = Path(__file__).resolve().parent / "stub_server.py"
     proc = start_process([sys.executable, str(stub), "--port", str(port),

@@ -67,6 +67,26 @@ def streamed(url: str, body: dict) -> dict:
     return {"ttft_s": ttft, "response": final}
 
 
+def messages_reuse(url: str, name: str, doc: str) -> dict:
+    """Two /v1/messages calls sharing a cache_control system prompt: what the second reads from the cache,
+    against the full pages of the prefix the two prompts share (counted with /tokenize)."""
+    salt = f"messages-{time.time_ns()}"
+    system = [{"type": "text", "text": doc, "cache_control": {"type": "ephemeral"}}]
+    questions = ("When does the bakery open?", "What does rye bread cost?")
+    usages = []
+    for question in questions:
+        answer = requests.post(url + "/v1/messages", timeout=600, json={
+            "model": name, "max_tokens": 8, "temperature": 0, "system": system, "cache_salt": salt,
+            "messages": [{"role": "user", "content": question}]}).json()
+        usages.append(answer["usage"])
+    prompts = [requests.post(url + "/tokenize", timeout=30, json={"messages": [
+        {"role": "system", "content": doc}, {"role": "user", "content": q}]}).json()["tokens"] for q in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    return {"first": usages[0], "second": usages[1], "shared_prefix_tokens": shared,
+            "shared_prefix_full_pages_tokens": shared // 16 * 16,
+            "second_reads_the_whole_prefix": usages[1]["cache_read_input_tokens"] == shared // 16 * 16}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -116,6 +136,8 @@ def main() -> None:
                    == cold["response"]["output"][0]["content"][0]["text"]}
             rows.append(row)
             log(f"trial {trial + 1}/{trials}: {row}")
+        messages = messages_reuse(url, name, document(trials, args.prompt_tokens, url))
+        log(f"messages: {messages}")
     finally:
         stop_process(proc)
     summary = {"cached_share_median": median([r["cached_share"] for r in rows]),
@@ -126,7 +148,8 @@ def main() -> None:
     summary["ttft_warm_over_cold"] = round(summary["ttft_warm_s_median"] / summary["ttft_cold_s_median"], 3)
     log(f"summary: {summary}")
     write_result("responses_cache", args.quick, {"machine": machine_info(), "model": model.rsplit("/", 1)[-1],
-                                                 "dtype": args.dtype, "trials": rows, "summary": summary})
+                                                 "dtype": args.dtype, "trials": rows, "summary": summary,
+                                                 "messages": messages})
 
 
 if __name__ == "__main__":

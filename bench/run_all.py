@@ -45,6 +45,8 @@ SCRIPTS = {  # name: the script, then its arguments
     "speculative_serving": ["bench_speculative_serving.py"],
     "fairness": ["bench_fairness.py"],
     "side_channel": ["side_channel.py"],
+    "apis": ["bench_apis.py"],
+    "responses_cache": ["bench_responses_cache.py"],
     "profile_speculative": ["profile_speculative.py"],
 }
 

@@ -137,6 +137,9 @@ def test_page_map_follows_requests_in_the_browser(server, tmp_path):
             assert counts["used"] == 0 and counts["free"] + counts["cached"] == NUM_BLOCKS
             assert counts["cached"] > 0  # the finished requests' full pages stay reusable
             assert page.locator("#detail .ended").count() == 1
+            # finished requests by API (the load's are completions)
+            page.wait_for_function("/completions [0-9]/.test(document.querySelector('#apis').textContent)",
+                                   timeout=5_000)
         finally:
             browser.close()
 

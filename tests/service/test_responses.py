@@ -354,3 +354,22 @@ def test_metrics_and_the_dashboard_count_requests_by_api(server, client):
               if line.startswith("pagedserve_api_requests_total{")}
     assert counts["responses"] >= 1 and counts["messages"] >= 1 and counts["chat.completions"] >= 1
     assert server.state.metrics.requests_by_api["responses"] == counts["responses"]
+
+
+def test_cached_and_written_tokens_are_exact_pages(server, client):
+    salt, page = f"exact-{time.time_ns()}", 16
+
+    def ask(question: str):
+        return client.responses.create(model=MODEL, instructions=SYSTEM, input=question, max_output_tokens=2,
+                                       temperature=0, store=False, extra_body={"cache_salt": salt}).usage
+
+    prompts = [server.state.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                            {"role": "user", "content": q}]) for q in ("Rye?", "Spelt?")]
+    first, second = ask("Rye?"), ask("Spelt?")
+    assert first.input_tokens == len(prompts[0]) and second.input_tokens == len(prompts[1])
+    # a salt nothing used before: turn one reads nothing and writes every full page of its prompt
+    assert first.input_tokens_details.cached_tokens == 0
+    assert first.input_tokens_details.cache_write_tokens == len(prompts[0]) // page * page
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert second.input_tokens_details.cached_tokens == shared // page * page >= 10 * page
+    assert second.input_tokens_details.cache_write_tokens == len(prompts[1]) // page * page - shared // page * page

@@ -10,15 +10,14 @@ replicas), one interface:
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
+
+from service.sqlite_thread import SQLiteThread
 
 
 class Pin(msgspec.Struct, frozen=True):
@@ -63,51 +62,34 @@ class SQLitePinRegistry:
     def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self._clock = clock
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-pins")
-        self._conn: sqlite3.Connection | None = self._executor.submit(self._open).result()
-
-    def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.executescript(_SCHEMA)
-        return conn
-
-    async def _call(self, fn, *args):
-        if self._conn is None:
-            raise RuntimeError(f"the pin registry {self.path} is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._db = SQLiteThread(path, _SCHEMA, name="sqlite-pins")
 
     async def add(self, tenant: str, pin_id: str, text: str) -> None:
         """Insert or replace the pin (tenant, pin_id)."""
         def upsert() -> None:
-            self._conn.execute(
+            self._db.conn.execute(
                 "INSERT INTO pins (tenant, pin_id, text, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (tenant, pin_id)"
                 " DO UPDATE SET text = excluded.text, created_at = excluded.created_at",
                 (tenant, pin_id, text, self._clock()))
-        await self._call(upsert)
+        await self._db.call(upsert)
 
     async def remove(self, tenant: str, pin_id: str) -> bool:
         """Delete the pin; False if there was none."""
         def delete() -> bool:
-            return self._conn.execute("DELETE FROM pins WHERE tenant = ? AND pin_id = ?",
+            return self._db.conn.execute("DELETE FROM pins WHERE tenant = ? AND pin_id = ?",
                                       (tenant, pin_id)).rowcount == 1
-        return await self._call(delete)
+        return await self._db.call(delete)
 
     async def list(self) -> list[Pin]:
         """Every pin, ordered by (tenant, pin_id)."""
         def select() -> list[Pin]:
-            rows = self._conn.execute("SELECT tenant, pin_id, text, created_at FROM pins ORDER BY tenant, pin_id")
+            rows = self._db.conn.execute("SELECT tenant, pin_id, text, created_at FROM pins ORDER BY tenant, pin_id")
             return [Pin(*row) for row in rows]
-        return await self._call(select)
+        return await self._db.call(select)
 
     async def close(self) -> None:
         """Close the database and stop the worker thread."""
-        if self._conn is None:
-            return
-        await self._call(self._conn.close)
-        self._conn = None
-        self._executor.shutdown(wait=True)
+        await self._db.close()
 
 
 class RedisPinRegistry:

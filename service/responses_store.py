@@ -10,15 +10,14 @@ guessed or leaked, reads as "not found". SQLite (embedded) or Redis (shared by r
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
+
+from service.sqlite_thread import SQLiteThread
 
 
 class StoredResponse(msgspec.Struct):
@@ -65,23 +64,10 @@ class SQLiteResponseStore:
     """Responses in one SQLite file, used from one worker thread."""
 
     def __init__(self, path: str | Path, retention_s: float, *, clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
         self.retention_s = retention_s
         self._clock = clock
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-responses")
-        self._conn: sqlite3.Connection | None = self._executor.submit(self._open).result()
-
-    def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")  # crash-safe; a power cut may lose the last few (the bill is the journal's)
-        conn.executescript(_SCHEMA)
-        return conn
-
-    async def _call(self, fn, *args):
-        if self._conn is None:
-            raise RuntimeError(f"the response store {self.path} is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # NORMAL: crash-safe; a power cut may lose the last few writes (the bill is the usage journal's, not this)
+        self._db = SQLiteThread(path, _SCHEMA, synchronous="NORMAL", name="sqlite-responses")
 
     async def put(self, tenant: str, response_id: str, stored: StoredResponse) -> None:
         """Insert or replace; the retention clock starts at the first put."""
@@ -89,36 +75,32 @@ class SQLiteResponseStore:
 
         def upsert() -> None:
             now = self._clock()
-            self._conn.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
-            self._conn.execute(
+            self._db.conn.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+            self._db.conn.execute(
                 "INSERT INTO responses (tenant, response_id, body, expires_at) VALUES (?, ?, ?, ?)"
                 " ON CONFLICT (tenant, response_id) DO UPDATE SET body = excluded.body",
                 (tenant, response_id, body, now + self.retention_s))
-        await self._call(upsert)
+        await self._db.call(upsert)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The tenant's response, or None."""
         def select() -> bytes | None:
-            row = self._conn.execute("SELECT body FROM responses WHERE tenant = ? AND response_id = ? AND expires_at > ?",
+            row = self._db.conn.execute("SELECT body FROM responses WHERE tenant = ? AND response_id = ? AND expires_at > ?",
                                      (tenant, response_id, self._clock())).fetchone()
             return None if row is None else row[0]
-        body = await self._call(select)
+        body = await self._db.call(select)
         return None if body is None else msgspec.json.decode(body, type=StoredResponse)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         """Delete it; False if the tenant has no such response."""
         def delete() -> bool:
-            return self._conn.execute("DELETE FROM responses WHERE tenant = ? AND response_id = ? AND expires_at > ?",
+            return self._db.conn.execute("DELETE FROM responses WHERE tenant = ? AND response_id = ? AND expires_at > ?",
                                       (tenant, response_id, self._clock())).rowcount == 1
-        return await self._call(delete)
+        return await self._db.call(delete)
 
     async def close(self) -> None:
         """Close the database and stop the worker thread."""
-        if self._conn is None:
-            return
-        await self._call(self._conn.close)
-        self._conn = None
-        self._executor.shutdown(wait=True)
+        await self._db.close()
 
 
 class RedisResponseStore:

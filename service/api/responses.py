@@ -312,9 +312,15 @@ async def _consume(run: Run) -> None:
 
 
 async def _whole(run: Run, headers: dict) -> web.Response:
-    await _consume(run)
+    try:
+        await _consume(run)
+    except asyncio.CancelledError:  # the client left: keep what was made, as cancelled (finish() bills it)
+        run.cancel()
+        run.close()
+        run.ended.set_result(await _store_quietly(run))
+        raise
     await run.generation.usage_recorded()  # the answer goes out only once its bill is on disk
-    response = await run.store()
+    response = await _store_quietly(run)
     run.ended.set_result(response)
     return web.json_response(response, headers=headers)
 
@@ -330,11 +336,7 @@ async def _background(run: Run, key: tuple[str, str]) -> None:
     finally:
         state.running_responses.pop(key, None)
         run.generation.finish()
-    try:
-        response = await run.store()
-    except Exception:
-        log.exception("background response not stored", response_id=run.response_id)
-        response = run.response()
+    response = await _store_quietly(run)
     if not run.ended.done():
         run.ended.set_result(response)
 
@@ -411,11 +413,25 @@ async def _store_quietly(run: Run) -> dict:
         return run.response()
 
 
+def _target(request: web.Request) -> tuple[ServiceState, Tenant, str]:
+    """(state, the caller's tenant, the path's response id)."""
+    state = request.app[STATE]
+    return state, state.authenticate(request), request.match_info["response_id"]
+
+
+async def _stop_if_running(state: ServiceState, tenant: Tenant, response_id: str) -> dict | None:
+    """Cancel the tenant's running response and wait (up to CANCEL_WAIT_S) for its last form; None if none runs."""
+    run = state.running_responses.get((tenant.tenant_id, response_id))
+    if run is None:
+        return None
+    run.cancel()
+    done, _ = await asyncio.wait([run.ended], timeout=CANCEL_WAIT_S)
+    return run.ended.result() if done else run.response()
+
+
 async def get_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}: the tenant's stored response (404 for any other id, another tenant's too)."""
-    state = request.app[STATE]
-    tenant = state.authenticate(request)
-    response_id = request.match_info["response_id"]
+    state, tenant, response_id = _target(request)
     if request.query.get("stream") not in (None, "false"):
         raise APIError(400, "resuming a stream is not supported: GET the response without stream", "stream")
     stored = await state.responses.get(tenant.tenant_id, response_id)
@@ -426,13 +442,8 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: a running one is cancelled first."""
-    state = request.app[STATE]
-    tenant = state.authenticate(request)
-    response_id = request.match_info["response_id"]
-    run = state.running_responses.get((tenant.tenant_id, response_id))
-    if run is not None:
-        run.cancel()
-        await asyncio.wait([run.ended], timeout=CANCEL_WAIT_S)
+    state, tenant, response_id = _target(request)
+    await _stop_if_running(state, tenant, response_id)
     if not await state.responses.delete(tenant.tenant_id, response_id):
         raise _not_found(response_id)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -440,14 +451,10 @@ async def delete_response(request: web.Request) -> web.Response:
 
 async def cancel_response(request: web.Request) -> web.Response:
     """POST /v1/responses/{id}/cancel: stop a running response; a cancelled one is returned as it is."""
-    state = request.app[STATE]
-    tenant = state.authenticate(request)
-    response_id = request.match_info["response_id"]
-    run = state.running_responses.get((tenant.tenant_id, response_id))
-    if run is not None:
-        run.cancel()
-        done, _ = await asyncio.wait([run.ended], timeout=CANCEL_WAIT_S)
-        return web.json_response(run.ended.result() if done else run.response())
+    state, tenant, response_id = _target(request)
+    stopped = await _stop_if_running(state, tenant, response_id)
+    if stopped is not None:
+        return web.json_response(stopped)
     stored = await state.responses.get(tenant.tenant_id, response_id)
     if stored is None:
         raise _not_found(response_id)
@@ -460,9 +467,7 @@ async def cancel_response(request: web.Request) -> web.Response:
 
 async def list_input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}/input_items?limit=&order=&after=: the response's own input items, a page."""
-    state = request.app[STATE]
-    tenant = state.authenticate(request)
-    response_id = request.match_info["response_id"]
+    state, tenant, response_id = _target(request)
     query = request.query
     try:
         limit = int(query.get("limit", "20"))

@@ -36,13 +36,19 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     model: str | None = None
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """POST /tokenize."""
+async def _body(request: web.Request, kind: type):
+    """(state, the body as `kind`) once the caller's key and the body's model (if named) are checked."""
     state = request.app[STATE]
     state.authenticate(request)
-    body = msgspec.json.decode(await request.read(), type=TokenizeRequest, strict=True)
+    body = msgspec.json.decode(await request.read(), type=kind, strict=True)
     if body.model is not None:
         state.check_model(body.model)
+    return state, body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize."""
+    state, body = await _body(request, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give either prompt or messages", param="prompt")
     if body.prompt is not None:
@@ -60,11 +66,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize."""
-    state = request.app[STATE]
-    state.authenticate(request)
-    body = msgspec.json.decode(await request.read(), type=DetokenizeRequest, strict=True)
-    if body.model is not None:
-        state.check_model(body.model)
+    state, body = await _body(request, DetokenizeRequest)
     vocab = state.tokenizer.vocab_size
     for i, token in enumerate(body.tokens):
         if not 0 <= token < vocab:

@@ -65,7 +65,7 @@ def test_sqlite_responses_expire_after_the_retention_time_and_are_pruned(tmp_pat
             clock.now += 2
             expired = await store.get("acme", "old"), await store.delete("acme", "old")
             await store.put("acme", "new", _stored("completed"))  # a write prunes the expired rows
-            rows = await store._call(lambda: store._conn.execute("SELECT response_id FROM responses").fetchall())
+            rows = await store._db.call(lambda: store._db.conn.execute("SELECT response_id FROM responses").fetchall())
             return kept, expired, rows
         finally:
             await store.close()

@@ -215,3 +215,50 @@ def test_output_config_format_constrains_the_answer_and_prefill_is_refused(serve
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"},
                                                       {"role": "assistant", "content": "Hello, I"}]})
     assert response.status_code == 400 and "prefill" in response.json()["error"]["message"]
+
+
+def test_raw_events_and_messages_validate_against_the_sdks_spec_types(server):
+    import json as _json
+    import time
+
+    import pydantic
+    from anthropic.types import Message, RawMessageStreamEvent
+
+    events = pydantic.TypeAdapter(RawMessageStreamEvent)
+    body = {"model": MODEL, "max_tokens": 12, "system": SYSTEM, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about bread."}]}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    whole = requests.post(server.url + "/v1/messages", json=body, headers=headers, timeout=60).json()
+    Message.model_validate(whole)  # every field Anthropic's spec requires, of its type
+    kinds = []
+    with requests.post(server.url + "/v1/messages", json={**body, "stream": True}, headers=headers, stream=True,
+                       timeout=60) as response:
+        name = None
+        for line in response.iter_lines():
+            if line.startswith(b"event: "):
+                name = line[7:].decode()
+            elif line.startswith(b"data: "):
+                data = _json.loads(line[6:])
+                assert data["type"] == name  # the SSE event name is the payload's type
+                if name == "ping":  # not a message event in the SDK's union: its shape is just this
+                    assert data == {"type": "ping"}
+                else:
+                    events.validate_python(data)
+                kinds.append(name)
+    deltas = kinds.count("content_block_delta")
+    assert deltas >= 1 and kinds == ["message_start", "ping", "content_block_start", *["content_block_delta"] * deltas,
+                                     "content_block_stop", "message_delta", "message_stop"]
+    # a stream the client cuts is billed: the ledger gets one more request, with the tokens it was sent
+    usage_headers = {"Authorization": f"Bearer {KEY}"}
+    before = requests.get(server.url + "/v1/usage", headers=usage_headers, timeout=10).json()
+    with requests.post(server.url + "/v1/messages", json={**body, "max_tokens": 1500, "stream": True}, headers=headers,
+                       stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        while b"content_block_delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 20
+    while (after := requests.get(server.url + "/v1/usage", headers=usage_headers, timeout=10).json())["requests"] == \
+            before["requests"]:
+        assert time.monotonic() < deadline, "the cut stream was never billed"
+        time.sleep(0.1)
+    assert 0 < after["completion_tokens"] - before["completion_tokens"] < 1500

@@ -1,12 +1,14 @@
 """x @ W.T for weight-only quantized CPU weights in AVX512-BF16 dot products (kernels/csrc/quant_matmul.cpp).
 
-    reference  int4_matmul_reference: the weight unpacked by weight_unpack's reference, float64 matmul
-               int4_few_rows_reference: the unrounded weight (q - 8) * scale + zero, float64 matmul
+    reference  int4_few_rows_reference: the unrounded weight (q - 8) * scale + zero, float64 matmul
+               (both int4 kernels)
                int8_matmul_reference: (x @ q.T) * scale in float64
-    kernel     int4_matmul: torch's packed int4 CPU layout, each 64-output block unpacked to bfloat16
-               in cache once per call and multiplied by every row of x there
-               int4_matmul_few_rows: for a few rows; the weight's nibbles read by table into bfloat16
-               (exact), each group's scale and zero applied to its dot products, never to the weight
+    kernel     int4_matmul_few_rows: torch's packed int4 CPU layout, for a few rows; the weight's nibbles
+               read by table into bfloat16 (exact), each group's scale and zero applied to its dot
+               products, never to the weight
+               int4_matmul: the same arithmetic for many rows, each 64-output block's nibbles unpacked
+               once per call into cache and every row multiplied there: equal to int4_matmul_few_rows
+               bit for bit, whatever the number of rows
                int8_matmul: per-row int8 (the LM head), 16 rows converted at a time, dot products along
                the inputs, the scale applied once at the end
     check      tests/kernels/test_quant_matmul.py: within float32 accumulation of the reference
@@ -39,15 +41,6 @@ def available() -> bool:
     """Whether the kernels run here: the CPU has AVX512-BF16 and the source builds (built now if not yet)."""
     ext = _extension()
     return ext is not None and bool(ext.available())
-
-
-def int4_matmul_reference(
-    x: torch.Tensor,  # bfloat16 [M, K]
-    packed: torch.Tensor,  # uint8 [N, K // 2], torch's int4 CPU layout
-    scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]
-) -> torch.Tensor:  # float64 [M, N]
-    weight = weight_unpack.unpack_int4_reference(packed, scales_zeros)  # bfloat16 [N, K]
-    return x.double() @ weight.double().T
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:

@@ -7,22 +7,20 @@
 // first (weight_unpack.cpp) writes and rereads that copy. Here a weight is unpacked once per
 // call, into a buffer that stays in L1/L2, and every row of x is multiplied against it there.
 //
-// int4_matmul: torch's packed int4 CPU layout (weight_unpack.cpp has it in full): blocks of 64
-// weight rows (outputs), each [K][32] bytes; byte j of input k holds row j's nibble low and row
-// j + 32's high. scales_zeros bfloat16 [K / 32, N, 2]: value = (q - 8) * scale + zero, computed
-// in float32 (the product is exact: a 4-bit integer times a bfloat16) and rounded to bfloat16
-// once, so the weight equals weight_unpack's reference bit for bit.
-//   One task per 64-output block: its whole depth is unpacked, 32 inputs at a time, into
-//   [group][4 x 16 outputs][16 pairs] of bfloat16 pairs (the "VNNI" order vdpbf16ps reads: lane n
-//   holds output n's weights for inputs 2p and 2p + 1), then each block of up to 6 rows of x keeps
-//   6 x 4 accumulators (16 outputs each) in registers over the whole depth, one broadcast pair
-//   of x against four weight vectors per step.
+// int4_matmul_few_rows: torch's packed int4 CPU layout (weight_unpack.cpp has it in full): blocks of 64
+// weight rows (outputs), each [K][32] bytes; byte j of input k holds row j's nibble low and row j + 32's
+// high. scales_zeros bfloat16 [K / 32, N, 2]: value = (q - 8) * scale + zero. Read once from memory, each
+// nibble becomes bfloat16(q - 8) by a table lookup (exact), and a group's scale and zero are applied to
+// its 32-input dot-product sums, so the weight is never rounded (as torch's int4 kernel). Each unpacked
+// group serves up to 6 rows of x; their scaled sums wait in L1, leaving the registers to the partial
+// sums. A row's result does not depend on which rows came with it.
 //
-// int4_matmul_few_rows: the same layout, for a few rows of x (decode): read once from memory, each
-// nibble becomes bfloat16(q - 8) by a table lookup (exact), and a group's scale and zero are applied
-// to its 32-input dot-product sums, so the weight is never rounded (as torch's int4 kernel). Each
-// unpacked group serves up to 6 rows of x; their scaled sums wait in L1, leaving the registers to the
-// partial sums. A row's result does not depend on which rows came with it.
+// int4_matmul: the same arithmetic for many rows (prefill): one task per 64-output block unpacks the
+// block's whole depth once per call into a buffer that stays in L1/L2, in the order the few-rows loop
+// consumes it, and every 6 rows of x run the few-rows loop against that buffer. The words and the
+// order of every sum are the same, so the two kernels agree bit for bit: a prompt computed whole and
+// the same prompt's last rows after a prefix-cache hit see one function. (Until this, the many-rows
+// kernel multiplied by the weight rounded to bfloat16, and a cache hit could change a greedy answer.)
 //
 // int8_matmul: an int8 weight [N, K] with one float32 scale per output row (the LM head). Its
 // values are exact in bfloat16, so 16 rows at a time are converted into a bfloat16 buffer, dot
@@ -78,92 +76,56 @@ struct Out {
   }
 };
 
-// One packed block's group `group` -> out[4][16 pairs][32] bfloat16: out[t][p] holds, for outputs
-// 16t .. 16t + 15 of the block, the pairs (W[n][32 group + 2p], W[n][32 group + 2p + 1]).
-inline void unpack_int4_group(const uint8_t* block, int64_t group, int64_t n_total, int64_t block_row0,
-                              const uint16_t* scales_zeros, uint16_t* out) {
-  const uint8_t* in = block + group * kGroup * 32;  // [kk][j], 32 x 32 bytes
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  // outputs 0-7 (and 8-15) of a vector, each repeated for its pair of inputs
-  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int t = 0; t < 4; ++t) {
-    const int byte0 = (t & 1) * 16, shift = (t >> 1) * 4;  // outputs 16t..: bytes 0-15 or 16-31, low or high nibble
-    // 16 (scale, zero) bfloat16 pairs read as 32-bit words: the scale is the low half, the zero the high
-    const __m512i pairs = _mm512_loadu_si512(scales_zeros + (group * n_total + block_row0 + 16 * t) * 2);
-    const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-    const __m512 scale_lo = _mm512_permutexvar_ps(dup_lo, scales), scale_hi = _mm512_permutexvar_ps(dup_hi, scales);
-    const __m512 zero_lo = _mm512_permutexvar_ps(dup_lo, zeros), zero_hi = _mm512_permutexvar_ps(dup_hi, zeros);
-    uint16_t* vectors = out + t * 16 * 32;
-    for (int p = 0; p < 16; ++p) {
-      const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p) * 32 + byte0));
-      const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p + 1) * 32 + byte0));
-      __m128i lo = _mm_unpacklo_epi8(even, odd);  // outputs 0-7: (input 2p, 2p + 1) byte pairs
-      __m128i hi = _mm_unpackhi_epi8(even, odd);  // outputs 8-15
-      if (shift) {
-        lo = _mm_srli_epi16(lo, 4);
-        hi = _mm_srli_epi16(hi, 4);
-      }
-      lo = _mm_sub_epi8(_mm_and_si128(lo, low_nibbles), eight);  // q - 8, as int8
-      hi = _mm_sub_epi8(_mm_and_si128(hi, low_nibbles), eight);
-      const __m512 w_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), scale_lo, zero_lo);
-      const __m512 w_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), scale_hi, zero_hi);
-      _mm512_storeu_si512(vectors + p * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));  // one rounding, RNE
-    }
-  }
-}
-
-// Rows [0, R) of x (row stride k values) against one unpacked 64-output block -> out[R][64] (row stride n)
-template <int R>
-inline void int4_rows(const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups, Out out, int64_t n) {
-  __m512 acc[R][4];
-  for (int i = 0; i < R; ++i) {
-    for (int t = 0; t < 4; ++t) acc[i][t] = _mm512_setzero_ps();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* w = unpacked + g * kGroupWords;
-    const uint16_t* xg = x + g * kGroup;
-    for (int p = 0; p < 16; ++p) {
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + p * 32);
-      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + 512 + p * 32);
-      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + 1024 + p * 32);
-      const __m512bh b3 = (__m512bh)_mm512_loadu_si512(w + 1536 + p * 32);
-      for (int i = 0; i < R; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, xg + i * k + 2 * p, sizeof(pair));
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
-        acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
-        acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, b3);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    for (int t = 0; t < 4; ++t) out.store16(i * n + 16 * t, acc[i][t]);
-  }
-}
-
 // Few rows (int4_matmul_few_rows): rows [0, R) of x against one packed 64-output block -> out[R][64]
 // (row stride n). The weight is never rounded: a nibble becomes bfloat16(q - 8) by a table lookup
 // (exact), a group's sum over x (q - 8) runs in dot products, and the group's scale and zero are
 // applied to that sum:  out[n] += scale[n] * sum_k x[k] (q[n][k] - 8) + zero[n] * sum_k x[k].
 // Vector v of a step holds outputs 16v .. 16v + 15: bytes 0-15 (v = 0) or 16-31 (v = 1) of the
 // block's rows, low nibbles; v = 2, 3 the same bytes' high nibbles (weight_unpack.cpp's layout).
-template <int R>
-inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block, int64_t groups,
-                          const uint16_t* scales_zeros, int64_t n_total, int64_t block_row0, Out out, int64_t n) {
+// bfloat16(i - 8) for i = 0 .. 15: -8 .. 7 are exact
+inline __m512i q_minus_8_table() {
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                          static_cast<short>(0xBF80), static_cast<short>(0xC000),
+                          static_cast<short>(0xC040), static_cast<short>(0xC080),
+                          static_cast<short>(0xC0A0), static_cast<short>(0xC0C0),
+                          static_cast<short>(0xC0E0), static_cast<short>(0xC100));
+}
+
+// Step p of a packed group -> w[4]: bfloat16(q - 8) pairs (inputs 2p, 2p + 1) of outputs 16v .. 16v + 15, exact
+inline void unpack_int4_step(const uint8_t* in, int p, const __m512i& table, __m512bh* w) {
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  for (int byte_half = 0; byte_half < 2; ++byte_half) {
+    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p) * 32 + 16 * byte_half));
+    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p + 1) * 32 + 16 * byte_half));
+    // byte pairs (input 2p, 2p + 1) of 16 outputs, in output order, widened to 16-bit words
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd),
+                                                                _mm_unpacklo_epi8(even, odd)));
+    w[byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), table);
+    w[2 + byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+  }
+}
+
+// A packed block's group g -> out[16 steps][4 vectors][32 words]: what unpack_int4_step gives, kept (int4_matmul)
+inline void unpack_int4_group(const uint8_t* block, int64_t g, uint16_t* out) {
+  const __m512i table = q_minus_8_table();
+  const uint8_t* in = block + g * kGroup * 32;
+  for (int p = 0; p < 16; ++p) {
+    __m512bh w[4];
+    unpack_int4_step(in, p, table, w);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_si512(out + (p * 4 + v) * 32, (__m512i)w[v]);
+  }
+}
+
+// Rows [0, R) of x against one 64-output block -> out[R][64] (row stride n). The weight comes packed
+// (`unpacked` null: unpacked here, step by step) or already unpacked by unpack_int4_group (`unpacked`:
+// the block's groups, [group][16][4][32] words); both give the same words, so the same sums, bit for bit.
+template <int R>
+inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block,
+                          const uint16_t* unpacked, int64_t groups, const uint16_t* scales_zeros, int64_t n_total,
+                          int64_t block_row0, Out out, int64_t n) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // bfloat16(i - 8) for i = 0 .. 15: -8 .. 7 are exact
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-                                         static_cast<short>(0xBF80), static_cast<short>(0xC000),
-                                         static_cast<short>(0xC040), static_cast<short>(0xC080),
-                                         static_cast<short>(0xC0A0), static_cast<short>(0xC0C0),
-                                         static_cast<short>(0xC0E0), static_cast<short>(0xC100));
+  const __m512i table = q_minus_8_table();
   // the scaled sums live in L1, not registers: R x 4 partial sums, 4 weight vectors, an input and two
   // constants fill the 32 registers at R = 6, so the weight is unpacked once per 6 rows, not per 3
   alignas(64) float total[R][64] = {};
@@ -178,16 +140,13 @@ inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, con
     for (int i = 0; i < R; ++i) {
       for (int v = 0; v < 4; ++v) partial[i][v] = _mm512_setzero_ps();
     }
+    const uint16_t* kept = unpacked != nullptr ? unpacked + g * kGroupWords : nullptr;
     for (int p = 0; p < 16; ++p) {
       __m512bh w[4];
-      for (int byte_half = 0; byte_half < 2; ++byte_half) {
-        const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p) * 32 + 16 * byte_half));
-        const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + (2 * p + 1) * 32 + 16 * byte_half));
-        // byte pairs (input 2p, 2p + 1) of 16 outputs, in output order, widened to 16-bit words
-        const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd),
-                                                                    _mm_unpacklo_epi8(even, odd)));
-        w[byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), table);
-        w[2 + byte_half] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+      if (kept != nullptr) {
+        for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_loadu_si512(kept + (p * 4 + v) * 32);
+      } else {
+        unpack_int4_step(in, p, table, w);
       }
       for (int i = 0; i < R; ++i) {
         int32_t pair;
@@ -215,29 +174,15 @@ inline void int4_few_rows(const uint16_t* x, int64_t k, const float* x_sums, con
 constexpr int kFewRowBlock = 6;  // 6 x 4 partial sums + 4 weight vectors + 1 input + 2 constants of 32 registers
 
 inline void int4_few_row_block(int64_t rows, const uint16_t* x, int64_t k, const float* x_sums, const uint8_t* block,
-                               int64_t groups, const uint16_t* sz, int64_t n_total, int64_t block_row0, Out out,
-                               int64_t n) {
+                               const uint16_t* unpacked, int64_t groups, const uint16_t* sz, int64_t n_total,
+                               int64_t block_row0, Out out, int64_t n) {
   switch (rows) {
-    case 1: int4_few_rows<1>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    case 2: int4_few_rows<2>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    case 3: int4_few_rows<3>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    case 4: int4_few_rows<4>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    case 5: int4_few_rows<5>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-    default: int4_few_rows<6>(x, k, x_sums, block, groups, sz, n_total, block_row0, out, n); break;
-  }
-}
-
-constexpr int kInt4RowBlock = 6;  // 6 x 4 accumulators + 4 weight vectors + 1 input of 32 registers
-
-inline void int4_row_block(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* unpacked, int64_t groups,
-                           Out out, int64_t n) {
-  switch (rows) {
-    case 1: int4_rows<1>(x, k, unpacked, groups, out, n); break;
-    case 2: int4_rows<2>(x, k, unpacked, groups, out, n); break;
-    case 3: int4_rows<3>(x, k, unpacked, groups, out, n); break;
-    case 4: int4_rows<4>(x, k, unpacked, groups, out, n); break;
-    case 5: int4_rows<5>(x, k, unpacked, groups, out, n); break;
-    default: int4_rows<6>(x, k, unpacked, groups, out, n); break;
+    case 1: int4_few_rows<1>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
+    case 2: int4_few_rows<2>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
+    case 3: int4_few_rows<3>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
+    case 4: int4_few_rows<4>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
+    case 5: int4_few_rows<5>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
+    default: int4_few_rows<6>(x, k, x_sums, block, unpacked, groups, sz, n_total, block_row0, out, n); break;
   }
 }
 
@@ -310,6 +255,21 @@ Out out_of(torch::Tensor& out) {
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// [row][group]: the sum of each group's 32 inputs of x, in float32, in input order
+std::vector<float> group_sums(const uint16_t* xs, int64_t m, int64_t k, int64_t groups) {
+  std::vector<float> sums(static_cast<size_t>(m * groups));
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < kGroup; ++c) {
+        sum += __builtin_bit_cast(float, static_cast<uint32_t>(xs[row * k + g * kGroup + c]) << 16);
+      }
+      sums[row * groups + g] = sum;
+    }
+  }
+  return sums;
+}
+
 struct Int4Call {  // an int4 matmul's raw operands and sizes
   const uint16_t* x;
   const uint8_t* packed;
@@ -364,22 +324,13 @@ torch::Tensor int4_matmul_few_rows(const torch::Tensor& x, const torch::Tensor& 
   auto out = empty_out(x, x.size(0), packed.size(0), bf16_out);
 #ifdef PAGEDSERVE_BF16_DOT
   const auto [xs, src, sz, dst, m, k, n, groups, blocks] = int4_call(x, packed, scales_zeros, out);
-  std::vector<float> x_sums(static_cast<size_t>(m * groups));  // [row][group]: sum of the group's inputs
-  for (int64_t row = 0; row < m; ++row) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < kGroup; ++c) {
-        sum += __builtin_bit_cast(float, static_cast<uint32_t>(xs[row * k + g * kGroup + c]) << 16);
-      }
-      x_sums[row * groups + g] = sum;
-    }
-  }
+  const std::vector<float> x_sums = group_sums(xs, m, k, groups);
   // one task per 64-output block, over the whole depth
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t block = b0; block < b1; ++block) {
       for (int64_t row0 = 0; row0 < m; row0 += kFewRowBlock) {
         int4_few_row_block(std::min<int64_t>(kFewRowBlock, m - row0), xs + row0 * k, k, x_sums.data() + row0 * groups,
-                           src + block * 32 * k, groups, sz, n, block * kBlockRows,
+                           src + block * 32 * k, nullptr, groups, sz, n, block * kBlockRows,
                            dst.at(row0 * n + block * kBlockRows), n);
       }
     }
@@ -389,24 +340,24 @@ torch::Tensor int4_matmul_few_rows(const torch::Tensor& x, const torch::Tensor& 
 }
 
 // x bfloat16 [M, K], packed uint8 [N, K / 2] (torch's layout, N a multiple of 64, K of 32),
-// scales_zeros bfloat16 [K / 32, N, 2] -> [M, N] = x @ W.T (float32, or bfloat16 if bf16_out), W rounded to
-// bfloat16
+// scales_zeros bfloat16 [K / 32, N, 2] -> [M, N] = x @ W.T (float32, or bfloat16 if bf16_out): the same sums as
+// int4_matmul_few_rows, bit for bit (W unrounded), the block unpacked once per call for every row
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                           bool bf16_out) {
   check_int4(x, packed, scales_zeros, "int4_matmul");
   auto out = empty_out(x, x.size(0), packed.size(0), bf16_out);
 #ifdef PAGEDSERVE_BF16_DOT
   const auto [xs, src, sz, dst, m, k, n, groups, blocks] = int4_call(x, packed, scales_zeros, out);
+  const std::vector<float> x_sums = group_sums(xs, m, k, groups);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> unpacked(static_cast<size_t>(groups * kGroupWords));  // one block's depth, in L1/L2
     for (int64_t block = b0; block < b1; ++block) {
       const uint8_t* in = src + block * 32 * k;
-      for (int64_t g = 0; g < groups; ++g) {
-        unpack_int4_group(in, g, n, block * kBlockRows, sz, unpacked.data() + g * kGroupWords);
-      }
-      for (int64_t row0 = 0; row0 < m; row0 += kInt4RowBlock) {
-        int4_row_block(std::min<int64_t>(kInt4RowBlock, m - row0), xs + row0 * k, k, unpacked.data(), groups,
-                       dst.at(row0 * n + block * kBlockRows), n);
+      for (int64_t g = 0; g < groups; ++g) unpack_int4_group(in, g, unpacked.data() + g * kGroupWords);
+      for (int64_t row0 = 0; row0 < m; row0 += kFewRowBlock) {
+        int4_few_row_block(std::min<int64_t>(kFewRowBlock, m - row0), xs + row0 * k, k, x_sums.data() + row0 * groups,
+                           in, unpacked.data(), groups, sz, n, block * kBlockRows,
+                           dst.at(row0 * n + block * kBlockRows), n);
       }
     }
   });

@@ -17,7 +17,8 @@ of many rows outgrows. On a CPU with AVX512-BF16 our kernels run instead (C++,
 kernels/quant_matmul.py), in bfloat16 dot products: an int4 matmul of fewer than
 INT4_MANY_ROWS rows reads its nibbles by table and applies each group's scale to the group's
 sums (the weight unrounded, as torch's kernel multiplies by); from INT4_MANY_ROWS rows on, each
-64-output block is unpacked to bfloat16 in cache once per call and every row multiplied there;
+64-output block's nibbles are unpacked in cache once per call and every row multiplied there in
+the same arithmetic (the two agree bit for bit, so a prefix-cache hit computes what a cold prompt does);
 the int8 LM head is converted 16 rows at a time. Elsewhere, and for an int8 LM head past
 INT8_BF16_DOT_MAX_ROWS rows, the layer's weight is unpacked from DENSE_MIN_ROWS rows on into a
 scratch bfloat16 matrix (C++, kernels/weight_unpack.py), multiplied by oneDNN (AMX or AVX512-BF16
@@ -45,12 +46,13 @@ INT4_ROW_MULTIPLE = 64  # the kernel wants 16; 64 keeps torch's layout in whole 
 # FMAs, oneDNN in AMX/AVX512-BF16; the unpack (~50 ms for all 106M weights of SmolLM2) pays from 64 rows
 DENSE_MIN_ROWS = 64
 # on a CPU with AVX512-BF16 kernels/quant_matmul.py takes every int4 matmul (bench/bench_quantized_linear.py,
-# BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2): the few-rows kernel beats torch's
-# at every size (1: 3.3 vs 5.3, 8: 10.1 vs 16.4) and the many-rows kernel beats it from 16-24 rows on
-# (16: 17.9 vs 16.3, 24: 22.8 vs 25.5, 64: 42.9 vs 53.3; torch 27.0 and 99.7), and the whole-layer unpack + oneDNN up to
-# 512 rows. The int8 LM head: ours from 1 row (2.2 vs 2.7 ms; 16: 5.2 vs 15.0) to INT8_BF16_DOT_MAX_ROWS,
-# past which the unpack + oneDNN wins (512 rows: 112 vs 144 ms)
-INT4_MANY_ROWS = 16
+# BENCHMARKS.md section 17; AMD EPYC, ms per 30-layer pass of SmolLM2). Its two int4 kernels give the same
+# result bit for bit, so the switch only moves time: the few-rows kernel beats torch's at every size
+# (1: 2.5 vs 3.9, 16: 13.0 vs 23.5) and the many-rows one up to ~128 rows (64: 50.0 vs 51.0, 128: 94.8 vs
+# 100.0); past that the many-rows kernel (unpacking each block once) wins (512: 371 vs 424). The int8 LM
+# head: ours from 1 row (2.2 vs 2.7 ms; 16: 5.2 vs 15.0) to INT8_BF16_DOT_MAX_ROWS, past which the unpack +
+# oneDNN wins (512 rows: 112 vs 144 ms)
+INT4_MANY_ROWS = 128
 INT8_BF16_DOT_MAX_ROWS = 128
 INT4_COL_MULTIPLE = GROUP_SIZE
 INT8_COL_MULTIPLE = 16

@@ -34,8 +34,21 @@ def test_int4_matches_reference(out_features, in_features, rows):
     x = torch.randn(rows, weight.packed.shape[1] * 2).bfloat16()
     out = quant_matmul.int4_matmul(x, weight.packed, weight.scales_zeros)
     dense = weight_unpack.unpack_int4_reference(weight.packed, weight.scales_zeros).double()
-    _assert_within_accumulation(out, quant_matmul.int4_matmul_reference(x, weight.packed, weight.scales_zeros),
+    # the weight unrounded, as the few-rows kernel (and torch's) multiplies by
+    _assert_within_accumulation(out, quant_matmul.int4_few_rows_reference(x, weight.packed, weight.scales_zeros),
                                 x.double().abs() @ dense.abs().T)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 37, 64])
+def test_int4_many_and_few_rows_kernels_agree_bit_for_bit(rows):
+    """A prompt computed whole (many rows) and its last rows after a prefix-cache hit (few) see one function."""
+    torch.manual_seed(rows)
+    weight = Int4Weight.quantize(torch.randn(576, 1536) * 0.1)
+    x = torch.randn(rows, 1536).bfloat16()
+    many = quant_matmul.int4_matmul(x, weight.packed, weight.scales_zeros)
+    few = torch.cat([quant_matmul.int4_matmul_few_rows(x[i : i + 1], weight.packed, weight.scales_zeros)
+                     for i in range(rows)])
+    assert torch.equal(many, few)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 20])
@@ -57,7 +70,7 @@ def test_int4_a_wrong_weight_is_caught():
     torch.manual_seed(0)
     weight = Int4Weight.quantize(torch.randn(64, 64) * 0.1)
     x = torch.randn(3, 64).bfloat16()
-    reference = quant_matmul.int4_matmul_reference(x, weight.packed, weight.scales_zeros)
+    reference = quant_matmul.int4_few_rows_reference(x, weight.packed, weight.scales_zeros)
     weight.packed[5, 7] ^= 0x01  # one nibble of one output
     out = quant_matmul.int4_matmul(x, weight.packed, weight.scales_zeros)
     dense = weight_unpack.unpack_int4_reference(weight.packed, weight.scales_zeros).double()

@@ -72,3 +72,17 @@ def test_q4_perplexity_within_one_percent_of_float32(dequantized, q4_float32):
     assert 1.5 < reference < 40  # a real model on plain English
     kept = perplexity(q4_float32, tokens)
     assert abs(kept - reference) / reference < 0.01, (kept, reference)
+
+
+def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
+    """The prompt's last rows after a hit go through the few-rows int4 kernel, a cold prompt through the
+    many-rows one: the two agree bit for bit, so the logprobs and the greedy answer are the same."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
+    for question in QUESTIONS[:2]:
+        prompt = _chat(q4_float32, question)
+        salt = f"fresh-{question}"  # a cache scope nothing ran in: the first run is cold
+        cold = q4_float32.generate([prompt], params, cache_salt=salt)[0]
+        cached = q4_float32.generate([prompt], params, cache_salt=salt)[0]
+        assert cold.num_cached_tokens == 0 and cached.num_cached_tokens >= 32
+        assert cached.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert cached.outputs[0].logprobs == cold.outputs[0].logprobs

@@ -130,12 +130,16 @@ class ServiceMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.api_requests = Counter("pagedserve_api_requests", "Finished API requests by API", ["api"],
                                     registry=self.registry)
-        self.requests_by_api: dict[str, int] = {}  # the same counts, for the dashboard
 
     def count_api(self, api: str) -> None:
         """One finished request of `api` (chat.completions, completions, messages, responses)."""
         self.api_requests.labels(api=api).inc()
-        self.requests_by_api[api] = self.requests_by_api.get(api, 0) + 1
+
+    @property
+    def requests_by_api(self) -> dict[str, int]:
+        """The counter's values by API (the dashboard's panel)."""
+        return {sample.labels["api"]: int(sample.value) for metric in self.api_requests.collect()
+                for sample in metric.samples if sample.name.endswith("_total")}
 
     def observe(self, stream: RequestStream, finish_reason: str, elapsed: float) -> None:
         self.prompt_tokens.inc(stream.num_prompt_tokens)

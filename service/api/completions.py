@@ -22,9 +22,10 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 
 async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tenant: Tenant,
-                          request_id: str | None = None) -> Generation:
+                          request_id: str | None = None, api: str = ChatFormat.api) -> Generation:
     """Validate a chat body and build its Generation (not admitted, not started); `request_id`: the API's own
-    id for it (a Responses API `resp_...`), else a chat completion id.
+    id for it (a Responses API `resp_...`), else a chat completion id; `api`: which API asked (Messages and
+    Responses run on this chat core too).
 
     Its tools (service/api/tools.py) go into the prompt and may constrain the output; the
     output's grammar is compiled here, off the event loop, before anything is queued.
@@ -34,7 +35,9 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     fmt = ChatFormat(request_id or new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
                      tool_plan=plan if plan is not None and plan.choice != "none" else None)
-    return Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
+    generation = Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
+    generation.api = api
+    return generation
 
 
 def chat_prompt(state: ServiceState, body: ChatCompletionRequest, add_generation_prompt: bool = True

@@ -70,7 +70,7 @@ class Generation:
         self._finishing = False
         self.num_sequences = len(prompts) * self.n
         self.ignored_fields = ignored_fields(body, body.fields_table)  # named in a header and the summary line
-        self.api = fmt.api  # which API asked (metrics, dashboard, the summary line); Messages and Responses set theirs
+        self.api = fmt.api  # which API asked (metrics, dashboard, the summary line); chat_generation may say another
 
     async def admit(self) -> None:
         """Server capacity (503/429), then the tenant's limits (429 naming the limit).

@@ -55,8 +55,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     tenant = authenticate(state, request)
     body = _decode(await request.read(), MessagesRequest)
     chat = decode_body(body.chat_body(), ChatCompletionRequest)
-    generation = await chat_generation(state, chat, tenant)
-    generation.api = "messages"
+    generation = await chat_generation(state, chat, tenant, api="messages")
     await generation.admit()
     try:
         generation.start()

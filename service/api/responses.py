@@ -204,14 +204,41 @@ class Run:
             "usage": self.usage() if with_usage else None, "user": body.user, "metadata": body.metadata or {},
         }
 
-    async def store(self) -> dict:
-        """Keep the response (when asked to) and return it; the conversation so far goes with it."""
+    async def end(self) -> dict:
+        """Keep the response (when asked to; the conversation so far goes with it), settle `ended`, return it.
+
+        A store that fails is logged, not raised: the answer was served and billed, only its stored copy
+        is missing.
+        """
         response = self.response()
         if self.body.stored:
             context = self.context + items_as_messages(self.input_items) + items_as_messages(self.items.output)
-            await self.state.responses.put(self.tenant.tenant_id, self.response_id,
-                                           StoredResponse(response, self.input_items, context))
+            try:
+                await self.state.responses.put(self.tenant.tenant_id, self.response_id,
+                                               StoredResponse(response, self.input_items, context))
+            except Exception:
+                log.exception("response not stored", response_id=self.response_id)
+        if not self.ended.done():
+            self.ended.set_result(response)
         return response
+
+    async def abandon(self) -> dict:
+        """The client left (or its task was stopped): stop the engine work, end as cancelled."""
+        self.cancel()
+        self.close()
+        return await self.end()
+
+    def release(self) -> None:
+        """Off the running list, engine work stopped and billed (Generation.finish); `ended` settled as it stands."""
+        self.state.running_responses.pop(self.key, None)
+        self.generation.finish()
+        if not self.ended.done():
+            self.ended.set_result(self.response())
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Its place in state.running_responses: (tenant, response id)."""
+        return self.tenant.tenant_id, self.response_id
 
     def cancel(self) -> None:
         """Stop the engine work; the run ends with status cancelled."""
@@ -253,8 +280,7 @@ async def _prepare(state: ServiceState, tenant: Tenant, body: ResponsesRequest) 
     try:
         chat = decode_body({**body.chat_fields(), "messages": system + context + items_as_messages(input_items)},
                            ChatCompletionRequest)
-        generation = await chat_generation(state, chat, tenant, response_id)
-        generation.api = "responses"
+        generation = await chat_generation(state, chat, tenant, response_id, api="responses")
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param=_our_param(exc.param), code=exc.code) from exc
     return Run(state, tenant, body, generation, response_id, input_items, context)
@@ -279,19 +305,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     tenant = state.authenticate(request)
     run = await start_run(state, tenant, await request.read())
     body = run.body
-    key = (tenant.tenant_id, run.response_id)
-    headers = {IGNORED_HEADER: ", ".join(body.ignored())} if body.ignored() else {}
-    state.running_responses[key] = run
+    ignored = body.ignored()
+    headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
+    state.running_responses[run.key] = run
     if body.background:
         try:
             run.generation.start()
             response = run.response(with_usage=False)
             await state.responses.put(tenant.tenant_id, run.response_id, StoredResponse(response, run.input_items, []))
         except BaseException:
-            state.running_responses.pop(key, None)
-            run.generation.finish()
+            run.release()
             raise
-        state.spawn(_background(run, key))
+        state.spawn(_background(run))
         return web.json_response(response, headers=headers)
     try:
         run.generation.start()
@@ -299,10 +324,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return await _stream(request, run, headers)
         return await _whole(run, headers)
     finally:
-        state.running_responses.pop(key, None)
-        run.generation.finish()
-        if not run.ended.done():
-            run.ended.set_result(run.response())
+        run.release()
 
 
 async def _consume(run: Run) -> None:
@@ -314,31 +336,24 @@ async def _consume(run: Run) -> None:
 async def _whole(run: Run, headers: dict) -> web.Response:
     try:
         await _consume(run)
-    except asyncio.CancelledError:  # the client left: keep what was made, as cancelled (finish() bills it)
-        run.cancel()
-        run.close()
-        run.ended.set_result(await _store_quietly(run))
+    except asyncio.CancelledError:  # the client left: keep what was made, as cancelled (release() bills it)
+        await run.abandon()
         raise
     await run.generation.usage_recorded()  # the answer goes out only once its bill is on disk
-    response = await _store_quietly(run)
-    run.ended.set_result(response)
-    return web.json_response(response, headers=headers)
+    return web.json_response(await run.end(), headers=headers)
 
 
-async def _background(run: Run, key: tuple[str, str]) -> None:
-    state = run.state
+async def _background(run: Run) -> None:
     run.status = "in_progress"
     try:
         await _consume(run)
         await run.generation.usage_recorded()
     except Exception as exc:
         run.fail(from_exception(exc))
-    finally:
-        state.running_responses.pop(key, None)
+    finally:  # stopped and billed before it is stored, so a waiting cancel sees the final usage
+        run.state.running_responses.pop(run.key, None)
         run.generation.finish()
-    response = await _store_quietly(run)
-    if not run.ended.done():
-        run.ended.set_result(response)
+    await run.end()
 
 
 def _sse(event: dict) -> bytes:
@@ -350,8 +365,8 @@ async def _stream(request: web.Request, run: Run, headers: dict) -> web.StreamRe
     await response.prepare(request)
     try:
         await drive(run, lambda events: response.write(b"".join(_sse(event) for event in events)))
-    except (ConnectionResetError, ConnectionError):
-        return response  # the client left: drive() cancelled and stored the run; finish() bills it
+    except ConnectionError:
+        return response  # the client left: drive() cancelled and stored the run; release() bills it
     await response.write_eof()
     return response
 
@@ -383,19 +398,14 @@ async def drive(run: Run, emit) -> None:
                 await emit(numbered(events))
         closing = run.close()
         await run.generation.usage_recorded()  # the stream's end goes out only once its bill is on disk
-    except (ConnectionResetError, ConnectionError, asyncio.CancelledError):  # the client left, or its task was stopped
-        run.cancel()
-        run.close()
-        if not run.ended.done():
-            run.ended.set_result(await _store_quietly(run))
+    except (ConnectionError, asyncio.CancelledError):  # the client left, or its task was stopped
+        await run.abandon()
         raise
     except Exception as exc:
         failure = from_exception(exc)
         run.fail(failure)
         closing = run.items.close("incomplete")
-    stored = await _store_quietly(run)
-    if not run.ended.done():
-        run.ended.set_result(stored)
+    stored = await run.end()
     if failure is not None:
         last = [{"type": "error", "code": failure.code, "message": failure.message, "param": failure.param},
                 {"type": "response.failed", "response": stored}]
@@ -403,14 +413,6 @@ async def drive(run: Run, emit) -> None:
         kind = "response.completed" if run.status == "completed" else "response.incomplete"
         last = [{"type": kind, "response": stored}]
     await emit(numbered(closing + last))
-
-
-async def _store_quietly(run: Run) -> dict:
-    try:
-        return await run.store()
-    except Exception:  # the answer was served and billed; only its stored copy is missing
-        log.exception("response not stored", response_id=run.response_id)
-        return run.response()
 
 
 def _target(request: web.Request) -> tuple[ServiceState, Tenant, str]:

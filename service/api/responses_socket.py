@@ -110,18 +110,14 @@ class ResponsesSocket:
         except Exception as exc:
             await self.error(exc, stream_id)
             return
-        key = (self.tenant.tenant_id, run.response_id)
-        self.state.running_responses[key] = run
+        self.state.running_responses[run.key] = run
         try:
             run.generation.start()
             await drive(run, lambda events: self.send(events, stream_id))
         except ConnectionError:
             pass  # the socket closed: drive() cancelled and stored the run
         finally:
-            self.state.running_responses.pop(key, None)
-            run.generation.finish()
-            if not run.ended.done():
-                run.ended.set_result(run.response())
+            run.release()
 
     async def close(self) -> None:
         tasks = list(self.tasks)

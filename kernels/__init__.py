@@ -121,19 +121,26 @@ def paged_decode_attention(
     backend: str = "auto",
     sliding_window: int | None = None,
     plan: DecodePlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """Attention of one new query token per sequence over that sequence's pages.
 
     `plan` (from plan_decode over the same tables, lengths and window) lets the torch backend
     read each shared prefix once per group (kernels/cascade.py); the result is the same, and
-    Triton ignores it.
+    Triton ignores it. `softcap` (Gemma 2's soft-capped scores) runs the reference on the torch
+    backend (no plan: block_tables), and the Triton kernel on CUDA.
     """
     if _backend_for(backend, q) == "triton":
         if block_tables is None:
             raise ValueError("the Triton decode kernel needs block_tables (it does not read a plan)")
         return _triton_kernels().paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap=softcap
         )
+    if softcap is not None:
+        if block_tables is None:
+            raise ValueError("soft-capped decode attention runs the reference, which needs block_tables, not a plan")
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                sliding_window, softcap)
     if plan is not None:
         return cascade.cascade_decode_attention(q, k_cache, v_cache, plan, scale)
     if block_tables is None:
@@ -151,17 +158,18 @@ def paged_prefill_attention(
     scale: float,
     backend: str = "auto",
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of ragged query chunks over their cached pages plus themselves."""
     if _backend_for(backend, q) == "triton":
         return _triton_kernels().paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap=softcap
         )
-    if sliding_window is None and q.device.type == "cpu":
+    if sliding_window is None and softcap is None and q.device.type == "cpu":
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                                    scale)
     return reference.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
     )
 
 

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_checks import LOG2E, NO_WINDOW, check, check_attention_inputs, dot_operands
+from kernels.triton_checks import (LOG2E, NO_WINDOW, check, check_attention_inputs, dot_operands, soft_cap,
+                                    soft_cap_argument)
 
 DEFAULT_PARTITION_SIZE = 512
 MAX_TILE_N = 64  # K/V tokens per loop iteration
@@ -55,6 +56,7 @@ def _decode_partition_kernel(
     context_lens_ptr,  # int32 [num_seqs]
     scale_log2,  # scale * log2(e)
     window,  # sliding window in tokens (NO_WINDOW when none)
+    cap_log2,  # soft-cap * log2(e), when SOFTCAP
     num_partitions,
     stride_q_seq,
     stride_q_head,
@@ -74,6 +76,7 @@ def _decode_partition_kernel(
     SINGLE_PARTITION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # operand dtype of tl.dot: the cache dtype, or float32 (see the launcher)
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # scores soft-capped (Gemma 2)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,6 +111,8 @@ def _decode_partition_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, HEAD_DIM_PAD]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
+        if SOFTCAP:
+            scores = soft_cap(scores, cap_log2)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])  # [GROUP_PAD, TILE_N]
@@ -193,6 +198,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) before the softmax
     out: torch.Tensor | None = None,  # [num_seqs, num_q_heads, head_dim]; allocated when None
     partition_size: int = DEFAULT_PARTITION_SIZE,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
@@ -223,7 +229,7 @@ def paged_decode_attention(
     dot_dtype, precision = dot_operands(q)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
-        float(scale) * LOG2E, window, num_partitions,
+        float(scale) * LOG2E, window, soft_cap_argument("paged_decode_attention", softcap), num_partitions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group,
@@ -236,6 +242,7 @@ def paged_decode_attention(
         SINGLE_PARTITION=single,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if not single:

@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_checks import LOG2E, NO_WINDOW, check, check_attention_inputs, dot_operands
+from kernels.triton_checks import (LOG2E, NO_WINDOW, check, check_attention_inputs, dot_operands, soft_cap,
+                                    soft_cap_argument)
 
 BLOCK_M = 64  # rows (tokens x query heads of a group) per query tile
 TILE_N = 32  # K/V tokens per loop iteration
@@ -56,6 +57,7 @@ def _prefill_kernel(
     context_lens_ptr,  # int32 [num_seqs]
     scale_log2,  # scale * log2(e)
     window,  # sliding window in tokens (NO_WINDOW when none)
+    cap_log2,  # soft-cap * log2(e), when SOFTCAP
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -75,6 +77,7 @@ def _prefill_kernel(
     SEQS_PAD: tl.constexpr,  # a power of two >= num_seqs
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # scores soft-capped (Gemma 2)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +124,8 @@ def _prefill_kernel(
         kv_mask = kv_valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, HEAD_DIM_PAD]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFTCAP:
+            scores = soft_cap(scores, cap_log2)
         visible = (
             kv_valid[None, :]
             & (kv_pos[None, :] <= positions[:, None])
@@ -159,6 +164,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) before the softmax
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]; allocated when None
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Triton paged prefill attention; same semantics as kernels.reference.paged_prefill_attention.
@@ -183,7 +189,7 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-        float(scale) * LOG2E, window, num_seqs,
+        float(scale) * LOG2E, window, soft_cap_argument("paged_prefill_attention", softcap), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group,
@@ -196,6 +202,7 @@ def paged_prefill_attention(
         SEQS_PAD=triton.next_power_of_2(num_seqs),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     return out

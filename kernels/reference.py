@@ -11,7 +11,8 @@ A query token at position p attends to the K/V at positions 0..p of its own sequ
 (causal), or, with a sliding window W, to positions p-W+1..p.
 
 Softmax and the weighted sum run in float32 whatever the cache dtype; outputs come back in
-the query's dtype.
+the query's dtype. With a soft-cap c (Gemma 2) each score s becomes c * tanh(s / c) before the
+mask and the softmax.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def _gather_pages(
     return pages.view(*block_table.shape[:-1], block_table.shape[-1] * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
+def _attend(
+    q: torch.Tensor,  # float32 [batch, num_q_heads, q_len, head_dim]
+    k: torch.Tensor,  # float32 [batch, num_kv_heads, kv_len, head_dim]
+    v: torch.Tensor,  # float32 [batch, num_kv_heads, kv_len, head_dim]
+    visible: torch.Tensor,  # bool, broadcast to [batch, num_q_heads, q_len, kv_len]
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # float32 [batch, num_q_heads, q_len, head_dim]
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap  # [batch, heads, q_len, kv_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -50,10 +69,9 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """One query token per sequence (the newest, at position context_len - 1) over its pages."""
-    num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     keys = _gather_pages(k_cache, block_tables)  # [num_seqs, max_ctx, num_kv_heads, head_dim]
     values = _gather_pages(v_cache, block_tables)
     max_ctx = keys.shape[1]
@@ -62,13 +80,13 @@ def paged_decode_attention(
     visible = kv_pos[None, :] < lens  # [num_seqs, max_ctx]
     if sliding_window is not None:
         visible &= kv_pos[None, :] >= lens - sliding_window
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         q.float()[:, :, None, :],  # [num_seqs, num_q_heads, 1, head_dim]
         keys.float().transpose(1, 2),  # [num_seqs, num_kv_heads, max_ctx, head_dim]
         values.float().transpose(1, 2),
-        attn_mask=visible[:, None, None, :],  # [num_seqs, 1, 1, max_ctx]
-        scale=scale,
-        enable_gqa=num_q_heads != num_kv_heads,
+        visible[:, None, None, :],  # [num_seqs, 1, 1, max_ctx]
+        scale,
+        softcap,
     )  # [num_seqs, num_q_heads, 1, head_dim]
     return out[:, :, 0, :].to(q.dtype)
 
@@ -82,6 +100,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # int32 [num_seqs]; cached + new tokens of each sequence
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """A ragged batch of query chunks, each attending causally to its cached pages and itself.
 
@@ -93,8 +112,6 @@ def paged_prefill_attention(
         query:                                             q0 q1 ... q_{n-1}
         q_j sees every cached position and the chunk up to itself.
     """
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     out = torch.empty_like(q)
@@ -112,13 +129,13 @@ def paged_prefill_attention(
         visible = kv_pos <= q_pos  # [q_len, context_len]
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
-        seq_out = F.scaled_dot_product_attention(
+        seq_out = _attend(
             q[start:end].float().transpose(0, 1)[None],  # [1, num_q_heads, q_len, head_dim]
             keys.float().transpose(0, 1)[None],  # [1, num_kv_heads, context_len, head_dim]
             values.float().transpose(0, 1)[None],
-            attn_mask=visible,
-            scale=scale,
-            enable_gqa=num_q_heads != num_kv_heads,
+            visible,
+            scale,
+            softcap,
         )  # [1, num_q_heads, q_len, head_dim]
         out[start:end] = seq_out[0].transpose(0, 1).to(q.dtype)
     return out

@@ -1,9 +1,10 @@
-"""What the Triton attention launchers share: supported dtypes, the tl.dot operand choice, and
-the input checks that turn a bad call into a clear ValueError (never an assert)."""
+"""What the Triton attention launchers share: supported dtypes, the tl.dot operand choice, the
+soft-cap of scores, and the input checks that turn a bad call into a clear ValueError (never an assert)."""
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -21,6 +22,22 @@ def dot_operands(q: torch.Tensor) -> tuple[tl.dtype, str]:
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda):
         return tl.float32, "ieee"
     return (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+
+
+@triton.jit
+def soft_cap(scores, cap_log2):
+    """Scores in log2 units (s * log2(e)) soft-capped: cap * tanh(s / cap), still in log2 units.
+
+    cap_log2 = cap * log2(e). tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates cleanly to +-1.
+    """
+    x = scores / cap_log2  # s / cap
+    return cap_log2 * (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0))  # exp2(2 x log2(e)) = exp(2 x)
+
+
+def soft_cap_argument(op: str, softcap: float | None) -> float:
+    """The kernels' cap_log2 argument (0.0 when there is no cap), after checking the cap."""
+    check(op, softcap is None or softcap > 0, f"softcap must be positive or None, got {softcap}")
+    return 0.0 if softcap is None else float(softcap) * LOG2E
 
 
 def check(op: str, ok: bool, message: str) -> None:

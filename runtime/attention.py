@@ -24,13 +24,14 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]; None when decode_plan has the pages
+    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]; None when decode_plans have the pages
     decode_context_lens: torch.Tensor  # int32 [num_decodes]
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets into the chunk rows
     prefill_context_lens: torch.Tensor  # int32 [num_prefills]
     kernel_backend: str = "auto"
-    decode_plan: kernels.DecodePlan | None = None  # torch backend: who shares which prefix pages
+    # torch backend: who shares which prefix pages, one plan per distinct sliding window of the layers (None: none)
+    decode_plans: dict[int | None, kernels.DecodePlan] | None = None
 
 
 def paged_attention(
@@ -42,8 +43,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Write this step's K/V into the pages, then attend each token through its page table."""
+    """Write this step's K/V into the pages, then attend each token through its page table.
+
+    `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+    """
     backend = meta.kernel_backend
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     num_decode = meta.num_decode_tokens
@@ -52,14 +57,15 @@ def paged_attention(
         parts.append(
             kernels.paged_decode_attention(
                 q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                scale, backend=backend, sliding_window=sliding_window, plan=meta.decode_plan,
+                scale, backend=backend, sliding_window=sliding_window,
+                plan=meta.decode_plans[sliding_window] if meta.decode_plans else None, softcap=softcap,
             )
         )
     if num_decode < q.shape[0]:
         parts.append(
             kernels.paged_prefill_attention(
                 q[num_decode:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_context_lens, scale, backend=backend, sliding_window=sliding_window,
+                meta.prefill_context_lens, scale, backend=backend, sliding_window=sliding_window, softcap=softcap,
             )
         )
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

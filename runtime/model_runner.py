@@ -86,20 +86,22 @@ class ModelRunner:
             sample_rows += range(sample_end - entry.num_sample_rows, sample_end)
         nd = num_decode_tokens
         device = self.device
-        plan = None
-        if nd and self.kernel_backend == "torch":
-            plan = kernels.plan_decode(tables[:nd], context_lens[:nd], bs, self.model.config.sliding_window, device,
-                                       owners=owners if nd > batch.num_decodes else None)  # a verification
+        plans = None
+        config = self.model.config
+        if nd and self.kernel_backend == "torch" and config.attn_logit_softcap is None:  # a plan per distinct window
+            plans = {window: kernels.plan_decode(tables[:nd], context_lens[:nd], bs, window, device,
+                                                 owners=owners if nd > batch.num_decodes else None)  # a verification
+                     for window in config.windows}
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_decode_tokens=nd,
-            decode_block_tables=_padded(tables[:nd], device) if plan is None else None,  # else in the plan
+            decode_block_tables=_padded(tables[:nd], device) if plans is None else None,  # else in the plans
             decode_context_lens=torch.tensor(context_lens[:nd], dtype=torch.int32, device=device),
             prefill_block_tables=_padded(tables[nd:], device),
             prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),  # chunk rows
             prefill_context_lens=torch.tensor(context_lens[nd:], dtype=torch.int32, device=device),
             kernel_backend=self.kernel_backend,
-            decode_plan=plan,
+            decode_plans=plans,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=device),

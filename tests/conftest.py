@@ -45,10 +45,37 @@ def _random_configs():
         ),
         "mistral-sliding": MistralConfig(**common, num_key_value_heads=2, sliding_window=24),
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+        **_family_configs(common),
+    }
+
+
+def _family_configs(common: dict) -> dict:
+    """One small config per further family, each feature it adds switched on and made to matter."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    gemma = dict(common, num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                 sliding_window=24, tie_word_embeddings=True, pad_token_id=0)
+    rotary_pairs = 6  # Phi-3: 12 of each head's 16 dims rotate
+    rng = torch.Generator().manual_seed(5)
+    return {
+        "qwen3": Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+        "gemma2": Gemma2Config(**gemma, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=5.0),
+        "gemma3": Gemma3TextConfig(
+            **gemma, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+        "phi3-longrope": Phi3Config(
+            **dict(common, max_position_embeddings=512), num_key_value_heads=2, original_max_position_embeddings=128,
+            tie_word_embeddings=False, pad_token_id=0,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": (1 + torch.rand(rotary_pairs, generator=rng) * 3).tolist(),
+                             "long_factor": (1 + torch.rand(rotary_pairs, generator=rng) * 30).tolist()}),
     }
 
 
 RANDOM_MODEL_NAMES = ("llama-gqa", "llama3-rope", "mistral-sliding", "qwen2")
+FAMILY_MODEL_NAMES = ("qwen3", "gemma2", "gemma3", "phi3-longrope")  # further families: tests/runtime/test_model_families.py
 
 
 def randomize_biases_and_norms(model):
@@ -80,11 +107,16 @@ def random_checkpoints(tmp_path_factory, stories_dir) -> dict[str, Path]:
     return paths
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations from transformers (sdpa, float32), one prompt at a time, EOS ignored."""
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              attn_implementation: str = "sdpa") -> list[list[int]]:
+    """Greedy continuations from transformers (sdpa, float32), one prompt at a time, EOS ignored.
+
+    `attn_implementation="eager"` for soft-capped attention (Gemma 2), which sdpa refuses.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
     results = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -10,6 +10,7 @@ job of the code under test and of transformers (the reference).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +76,59 @@ def sentencepiece_vocab(tokenizer_model: Path) -> tuple[list[str], list[float], 
     return pieces, scores, types
 
 
+def _llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:  # float32 [head_dim // 2]
+    """Llama 3.1's scaled rope as llama.cpp's converter writes it: each pair's divisor (rope_freqs)."""
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _family_metadata(writer, arch: str, config, rope: dict) -> dict[str, np.ndarray]:
+    """The metadata a family adds (as llama.cpp's converter writes it); returns the extra tensors it needs."""
+    import gguf
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    extra = {}
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma3" and rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary)
+        if rope.get("rope_type") == "longrope":
+            original = config.original_max_position_embeddings
+            factor = config.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+            writer.add_rope_scaling_orig_ctx_len(original)
+            extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+            extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        extra["rope_freqs.weight"] = _llama3_rope_factors(head_dim, rope)
+    return extra
+
+
 def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Path | None, seed: int = 0,
                drop: tuple[str, ...] = ()) -> Path:
-    """Write `model` (a transformers Llama/Mistral/Qwen2) as a GGUF file of architecture `arch`.
+    """Write `model` (a transformers Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Phi-3) as a GGUF file of `arch`.
 
     Matrices take ggml type `type_name`; norms and biases stay F32 (as llama.cpp keeps them).
     `tokenizer_model`: a sentencepiece file for the vocabulary, or None for a file without one.
@@ -95,8 +146,11 @@ def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Pa
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rope goes in the metadata
+    writer.add_rope_freq_base(float(rope.get("rope_theta") or config.rope_theta))
     writer.add_vocab_size(config.vocab_size)
+    extra_tensors = _family_metadata(writer, arch, config, rope)
     if tokenizer_model is not None:
         pieces, scores, types = sentencepiece_vocab(tokenizer_model)
         writer.add_tokenizer_model("llama")
@@ -114,7 +168,12 @@ def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Pa
     layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                   "mlp.down_proj": "ffn_down"}
+                   "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                   "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
+        layer_names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                            "post_feedforward_layernorm": "post_ffw_norm"})
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -128,10 +187,14 @@ def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Pa
             name = f"blk.{index}.{layer_names[module]}.{kind}"
         if arch in ("llama", "mistral") and (".attn_q." in name or ".attn_k." in name):
             weight = _permute(weight, heads if ".attn_q." in name else kv_heads)
+        if gemma and key.endswith("norm.weight"):  # llama.cpp stores what Gemma multiplies by: 1 + w
+            weight = weight + np.float32(1.0)
         if name in drop:
             continue
         data, qtype = _encode(name, weight, type_name, rng)
         writer.add_tensor(name, data, raw_dtype=qtype)
+    for name, values in extra_tensors.items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

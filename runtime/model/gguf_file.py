@@ -9,6 +9,14 @@ runtime does not run) is a GGUFError naming the file.
 llama.cpp's converter reorders the rows of q and k in Llama-family files (each head's rotary
 pairs interleaved, for its rope kernel); `tensors()` puts them back in Hugging Face's order.
 A row holds whole quantization blocks, so this works on the raw blocks, quantized or not.
+
+Families (runtime/model/config.py's table) as llama.cpp writes them: Qwen3's attn_q_norm and
+attn_k_norm; Gemma 2/3's post_attention_norm and post_ffw_norm, its norms stored as 1 + w
+(which is what the model multiplies by), and what llama.cpp leaves to code rather than
+metadata (every other layer windowed in Gemma 2, five of six in Gemma 3, whose windowed
+layers rotate with base 10,000; the attention scale 1/sqrt(head_dim), but 1/sqrt(hidden /
+heads) for the 27B models); Phi-3's fused attn_qkv and ffn_up (gate rows, then up), and its
+LongRoPE factors as tensors; Llama 3.1's scaled rope as rope_freqs (each pair's divisor).
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ import torch
 from runtime.model import ggml_blocks
 from runtime.model.config import ModelConfig, UnsupportedModelError, model_config_from_hf
 
-ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral checkpoints as "llama"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # Mistral's files are "llama"
 PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows reordered by llama.cpp's converter
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # architecture -> the config's model_type, where they differ
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales these models' attention by hidden / heads
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,6 +47,9 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -44,6 +57,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_GEMMA_LAYER_NAMES = {  # Gemma's four norms, by their Hugging Face names (runtime/model/loader.py maps them)
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -189,25 +208,19 @@ class GGUFCheckpoint:
             if embed is None:
                 raise GGUFError(f"{self.path}: no token_embd.weight tensor")
             vocab = int(embed.shape[1])
-        if self.has_tensor("rope_freqs.weight"):
-            raise GGUFError(f"{self.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1-style "
-                            "scaling) are not supported")
-        rope_scaling = {}
-        scaling_type = key("rope.scaling.type", None)
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-        elif scaling_type not in (None, "none"):
-            raise GGUFError(f"{self.path}: rope scaling {scaling_type!r} is not supported (none or linear)")
+        rope_scaling = self._rope_scaling(key)
         eos = self.field("tokenizer.ggml.eos_token_id", None)
+        num_layers = int(key("block_count"))
+        head_dim = int(key("attention.key_length", hidden // num_heads))
         config = {
-            "model_type": arch,
+            "model_type": MODEL_TYPES.get(arch, arch),
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(key("feed_forward_length")),
-            "num_hidden_layers": int(key("block_count")),
+            "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
-            "head_dim": int(key("attention.key_length", hidden // num_heads)),
+            "head_dim": head_dim,
             "max_position_embeddings": int(key("context_length", 2048)),
             "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(key("rope.freq_base", 10000.0)),
@@ -216,11 +229,55 @@ class GGUFCheckpoint:
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id", None),
             "eos_token_id": eos,
         }
+        rotary_dim = key("rope.dimension_count", None)
+        if rotary_dim is not None and int(rotary_dim) != head_dim:
+            config["partial_rotary_factor"] = int(rotary_dim) / head_dim
         if arch == "qwen2":
             config["use_sliding_window"] = False
         elif arch == "llama":
             config["attention_bias"] = self.has_tensor("blk.0.attn_q.bias")
+        elif arch in GEMMA_27B_LAYERS:
+            config["hidden_activation"] = "gelu_pytorch_tanh"
+            config["sliding_window"] = int(key("attention.sliding_window"))
+            config["query_pre_attn_scalar"] = (hidden // num_heads if num_layers == GEMMA_27B_LAYERS[arch]
+                                               else head_dim)
+            if arch == "gemma2":
+                config["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
+                config["final_logit_softcapping"] = key("final_logit_softcapping", None)
+            else:
+                config["sliding_window_pattern"] = int(key("attention.sliding_window_pattern", 6))
+                config["rope_local_base_freq"] = 10000.0
+        elif arch == "phi3":
+            window = key("attention.sliding_window", None)
+            config["sliding_window"] = int(window) if window else None
         return config
+
+    def _small_tensor(self, name: str) -> list[float]:
+        """A small float tensor's values (rope factors), as llama.cpp stores them."""
+        tensor = self._tensors[name]
+        if int(tensor.tensor_type) != ggml_blocks.F32:
+            raise GGUFError(f"{self.path}: tensor {name} is {ggml_blocks.type_name(int(tensor.tensor_type))}, "
+                            "expected F32")
+        return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+
+    def _rope_scaling(self, key) -> dict:
+        """The rope scaling in ModelConfig's terms, from the metadata and the factor tensors llama.cpp writes."""
+        scaling_type = key("rope.scaling.type", None)
+        if self.has_tensor("rope_factors_long.weight"):  # Phi-3's LongRoPE
+            return {"rope_type": "longrope", "short_factor": self._small_tensor("rope_factors_short.weight"),
+                    "long_factor": self._small_tensor("rope_factors_long.weight"),
+                    "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                    "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}
+        if self.has_tensor("rope_freqs.weight"):  # Llama 3.1's scaled rope, as each pair's divisor
+            if scaling_type not in (None, "none"):
+                raise GGUFError(f"{self.path}: rope_freqs together with rope scaling {scaling_type!r}")
+            return {"rope_type": "freq_factors", "factors": self._small_tensor("rope_freqs.weight")}
+        if scaling_type == "linear":
+            return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        if scaling_type not in (None, "none"):
+            raise GGUFError(f"{self.path}: rope scaling {scaling_type!r} is not supported (none, linear, "
+                            "rope_freqs or Phi-3's long/short factors)")
+        return {}
 
     def model_config(self) -> ModelConfig:
         """The runtime's ModelConfig for this file (GGUFError if the metadata is incomplete or unsupported)."""
@@ -235,8 +292,15 @@ class GGUFCheckpoint:
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
         match = _LAYER_TENSOR.match(gguf_name)
-        if match and match.group(2) in _LAYER_NAMES:
-            return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+        if not match:
+            return None
+        kind = match.group(2)
+        if self.architecture in GEMMA_27B_LAYERS and kind in _GEMMA_LAYER_NAMES:
+            return f"model.layers.{match.group(1)}.{_GEMMA_LAYER_NAMES[kind]}.{match.group(3)}"
+        if self.architecture == "phi3" and kind == "ffn_up":  # gate and up rows in one tensor
+            return f"model.layers.{match.group(1)}.mlp.gate_up_proj.{match.group(3)}"
+        if kind in _LAYER_NAMES:
+            return f"model.layers.{match.group(1)}.{_LAYER_NAMES[kind]}.{match.group(3)}"
         return None
 
     def tensors(self) -> Iterator[GGUFTensor]:

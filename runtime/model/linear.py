@@ -34,9 +34,17 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT; AVX2 has neither)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """A CPU float32 or bfloat16 weight, on a build with oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
+    """A CPU float32 weight, or a bfloat16 one where the CPU can, on a build with oneDNN."""
+    if weight.device.type != "cpu" or not onednn_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:  # opaque oneDNN tensor of weight [out_features, in_features]

@@ -1,8 +1,10 @@
-"""Load a Llama-family checkpoint folder's safetensors weights into LlamaForCausalLM.
+"""Load a checkpoint folder's safetensors weights into LlamaForCausalLM (every supported family).
 
-Hugging Face keeps q/k/v and gate/up as separate matrices; we stack them into one matrix
-each (one matmul instead of three or two), so each source tensor is copied into its rows.
-Sharded checkpoints (model.safetensors.index.json) are read shard by shard.
+Hugging Face keeps q/k/v and gate/up as separate matrices (Phi-3 already fuses them); we
+stack them into one matrix each (one matmul instead of three or two), so each source tensor
+is copied into its rows. Sharded checkpoints (model.safetensors.index.json) are read shard by
+shard. Gemma's norms scale by (1 + w): the offset is added as each norm weight is copied, in
+float32, once. A multimodal Gemma 3 folder's text model is read; its vision tower is not.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from runtime.model.llama import LlamaForCausalLM
 log = structlog.get_logger(__name__)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))  # a multimodal Gemma 3 folder's text model
+
+
+def _text_key(key: str) -> str:
+    for prefix, replacement in _TEXT_MODEL_PREFIXES:
+        if key.startswith(prefix):
+            return replacement + key[len(prefix):]
+    return key
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -38,6 +49,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 def weight_target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slice] | None:
     """The parameter and row range a checkpoint tensor fills, or None if we do not use it."""
     config = model.config
+    key = _text_key(key)
     if key == "model.embed_tokens.weight":
         return model.embed_tokens, slice(None)
     if key == "model.norm.weight":
@@ -58,8 +70,10 @@ def weight_target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slic
         "self_attn.q_proj": ("qkv", slice(0, q)),
         "self_attn.k_proj": ("qkv", slice(q, q + kv)),
         "self_attn.v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
+        "self_attn.qkv_proj": ("qkv", slice(0, q + 2 * kv)),  # Phi-3: fused already
         "mlp.gate_proj": ("gate_up", slice(0, inter)),
         "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+        "mlp.gate_up_proj": ("gate_up", slice(0, 2 * inter)),  # Phi-3: gate rows, then up
     }
     plain = {
         "self_attn.o_proj.weight": attn.o_weight,
@@ -67,8 +81,16 @@ def weight_target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slic
         "mlp.down_proj.weight": mlp.down_weight,
         "mlp.down_proj.bias": mlp.down_bias,
         "input_layernorm.weight": layer.input_layernorm.weight,
-        "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
     }
+    if attn.q_norm is not None:
+        plain["self_attn.q_norm.weight"] = attn.q_norm.weight
+        plain["self_attn.k_norm.weight"] = attn.k_norm.weight
+    if layer.attn_output_norm is not None:  # Gemma's names for its four norms
+        plain["post_attention_layernorm.weight"] = layer.attn_output_norm.weight
+        plain["pre_feedforward_layernorm.weight"] = layer.post_attention_layernorm.weight
+        plain["post_feedforward_layernorm.weight"] = layer.mlp_output_norm.weight
+    else:
+        plain["post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
     if name in plain:
         return None if plain[name] is None else (plain[name], slice(None))
     module, _, kind = name.rpartition(".")
@@ -78,6 +100,10 @@ def weight_target(model: LlamaForCausalLM, key: str) -> tuple[torch.Tensor, slic
         param = getattr(owner, f"{group}_{kind}", None)
         return None if param is None else (param, rows)
     return None
+
+
+def _is_norm(key: str) -> bool:
+    return key.endswith("norm.weight")
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: bool = True) -> None:
@@ -96,6 +122,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: 
                         continue
                     param, rows = target
                     tensor = f.get_tensor(key)
+                    if model.config.norm_weight_offset and _is_norm(key):
+                        tensor = tensor.float() + model.config.norm_weight_offset
                     dest = param.data[rows]
                     if dest.shape != tensor.shape:
                         raise UnsupportedModelError(

@@ -39,12 +39,14 @@ def paged_problem(context_lens, num_kv_heads, head_dim, block_size, dtype, seed)
     return k_cache, v_cache, block_tables, keys, values
 
 
-def attend64(q, k, v, q_positions, scale, sliding_window=None):
-    """float64 attention of q [q_len, hq, d] at q_positions over k, v [ctx, hkv, d]."""
+def attend64(q, k, v, q_positions, scale, sliding_window=None, softcap=None):
+    """float64 attention of q [q_len, hq, d] at q_positions over k, v [ctx, hkv, d] (scores soft-capped if asked)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     kv_pos = torch.arange(k.shape[0])
     mask = kv_pos[None, :] > torch.tensor(q_positions)[:, None]
     if sliding_window is not None:

@@ -30,18 +30,20 @@ def decode_problem(context_lens, hq, hkv, head_dim, block_size, dtype, seed, dev
     return inputs, keys, values
 
 
-def check_decode(context_lens, hq, hkv, head_dim, block_size, dtype, seed, device, partition_size, window=None):
+def check_decode(context_lens, hq, hkv, head_dim, block_size, dtype, seed, device, partition_size, window=None,
+                 softcap=None):
     (q, k_cache, v_cache, tables, lens), keys, values = decode_problem(
         context_lens, hq, hkv, head_dim, block_size, dtype, seed, device
     )
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # an element the kernel leaves unwritten fails below
-    result = triton_decode(q, k_cache, v_cache, tables, lens, scale, window, out=out, partition_size=partition_size)
+    result = triton_decode(q, k_cache, v_cache, tables, lens, scale, window, out=out, partition_size=partition_size,
+                           softcap=softcap)
     assert result is out
-    expected = reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, scale, window, softcap)
     assert_close(out, expected, dtype, "triton vs reference")
     for i, n in enumerate(context_lens):
-        exact = attend64(q[i : i + 1].cpu(), keys[i], values[i], [n - 1], scale, window)[0]
+        exact = attend64(q[i : i + 1].cpu(), keys[i], values[i], [n - 1], scale, window, softcap)[0]
         assert_close(out[i], exact, dtype, f"triton vs float64, sequence {i} (context {n})")
 
 
@@ -58,6 +60,14 @@ def test_decode_matches_reference_and_float64(context_lens, hq, hkv, head_dim, b
 def test_decode_merges_more_partitions_than_one_merge_tile(dtype, device, seed):
     # 300 tokens in partitions of 16: 19 partitions, more than the merge kernel takes per iteration
     check_decode([300, 17, 1], 8, 2, 16, 16, dtype, seed, device, partition_size=16)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("partition_size", [512, 16], ids=["one-partition", "partitions-of-16"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_soft_caps_the_scores(window, partition_size, device, seed):
+    # a cap of 0.5 squashes every score (q . k / sqrt(d) ~ N(0, 1)), so an uncapped kernel fails
+    check_decode([100, 40, 9, 1], 4, 2, 16, 8, torch.float32, seed, device, partition_size, window, softcap=0.5)
 
 
 @pytest.mark.parametrize("device", triton_devices())

@@ -30,19 +30,19 @@ def prefill_problem(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, 
     return inputs, keys, values
 
 
-def check_prefill(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, seed, device, window=None):
+def check_prefill(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, seed, device, window=None, softcap=None):
     (q, k_cache, v_cache, tables, starts, lens), keys, values = prefill_problem(
         context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, seed, device
     )
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # an element the kernel leaves unwritten fails below
-    result = triton_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window, out=out)
+    result = triton_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window, out=out, softcap=softcap)
     assert result is out
-    expected = reference_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window)
+    expected = reference_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window, softcap)
     assert_close(out, expected, dtype, "triton vs reference")
     for i, (n, q_len) in enumerate(zip(context_lens, q_lens)):
         rows = slice(int(starts[i]), int(starts[i + 1]))
-        exact = attend64(q[rows].cpu(), keys[i], values[i], list(range(n - q_len, n)), scale, window)
+        exact = attend64(q[rows].cpu(), keys[i], values[i], list(range(n - q_len, n)), scale, window, softcap)
         assert_close(out[rows], exact, dtype, f"triton vs float64, sequence {i} (context {n}, chunk {q_len})")
 
 
@@ -51,6 +51,12 @@ def check_prefill(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, se
 @pytest.mark.parametrize("context_lens, q_lens, hq, hkv, head_dim, block_size", CASES)
 def test_prefill_matches_reference_and_float64(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, device, seed):
     check_prefill(context_lens, q_lens, hq, hkv, head_dim, block_size, dtype, seed, device)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_soft_caps_the_scores(window, device, seed):
+    check_prefill([100, 40, 9], [70, 40, 1], 4, 2, 16, 8, torch.float32, seed, device, window, softcap=0.5)
 
 
 @pytest.mark.parametrize("device", triton_devices())

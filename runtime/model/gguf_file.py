@@ -245,8 +245,12 @@ class GGUFCheckpoint:
                 config["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
                 config["final_logit_softcapping"] = key("final_logit_softcapping", None)
             else:
-                config["sliding_window_pattern"] = int(key("attention.sliding_window_pattern", 6))
-                config["rope_local_base_freq"] = 10000.0
+                pattern = key("attention.sliding_window_pattern", 6)  # a period, or (newer files) a flag per layer
+                if isinstance(pattern, list):
+                    config["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+                else:
+                    config["sliding_window_pattern"] = int(pattern)
+                config["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
         elif arch == "phi3":
             window = key("attention.sliding_window", None)
             config["sliding_window"] = int(window) if window else None

@@ -1,7 +1,13 @@
-"""GGUF files of every further family, laid out as llama.cpp's converter writes them (tests/gguf_files.py),
-give transformers' greedy tokens for the Hugging Face model they were written from (float32 tensors)."""
+"""GGUF files of every further family give transformers' greedy tokens for the Hugging Face model they were
+written from (float32 tensors): files laid out by tests/gguf_files.py as llama.cpp's converter does, and
+files written by llama.cpp's converter itself (its source from llama-cpp-python's sdist)."""
 
+import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +16,7 @@ from runtime import Engine, SamplingParams
 from runtime.model.gguf_file import GGUFCheckpoint
 from runtime.model.rope import inverse_frequencies
 from runtime.model.config import load_model_config
-from tests.conftest import hf_greedy, randomize_biases_and_norms
+from tests.conftest import REPO, hf_greedy, randomize_biases_and_norms
 from tests.gguf_files import write_gguf
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -68,3 +74,52 @@ def test_gguf_family_config_equals_the_folders(random_checkpoints, stories_dir, 
     if name == "gemma3":
         assert from_file.layer_windows == (24,) * 5 + (None, 24)
     torch.testing.assert_close(inverse_frequencies(from_file), inverse_frequencies(from_folder), rtol=1e-6, atol=0)
+
+
+# --- files written by llama.cpp's own converter ------------------------------------------------
+
+CONVERTED = ("qwen3", "gemma2", "gemma3-pattern", "phi3-longrope", "llama3-rope")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py), from llama-cpp-python's sdist on PyPI."""
+    result = subprocess.run(["bash", str(REPO / "bench" / "peers" / "llama_cpp.sh"), "--source-only"],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHON": sys.executable})
+    if result.returncode != 0:
+        pytest.fail(f"could not fetch llama.cpp's source: {result.stderr[-2000:]}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def _folder(random_checkpoints, stories_dir, tmp_path, name) -> Path:
+    """A Hugging Face folder llama.cpp's converter reads (sentencepiece vocabulary); Gemma as in _written."""
+    from transformers import AutoModelForCausalLM
+
+    if name == "gemma3-pattern":  # the real layer pattern, which the converter does not write down
+        folder, _ = _written(random_checkpoints, stories_dir, tmp_path, "gemma3")
+    else:
+        folder = random_checkpoints[name]
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if getattr(model.config, "query_pre_attn_scalar", None) is not None:
+            model.config.query_pre_attn_scalar = model.config.head_dim
+        folder = tmp_path / f"{name}-hf"
+        model.save_pretrained(folder)
+    for file in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories_dir / file, folder / file)
+    return folder
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_llama_cpp_converted_family_matches_transformers(random_checkpoints, stories_dir, tmp_path,
+                                                         llama_cpp_source, name):
+    folder = _folder(random_checkpoints, stories_dir, tmp_path, name)
+    path = tmp_path / f"{name}.gguf"
+    result = subprocess.run([sys.executable, str(llama_cpp_source / "convert_hf_to_gguf.py"), str(folder),
+                             "--outtype", "f32", "--outfile", str(path)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(llama_cpp_source / "gguf-py")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    built = Engine.from_pretrained(path, quantization="none", num_blocks=64, block_size=8)
+    prompts = _prompts(name)
+    ours = [o.outputs[0].token_ids for o in built.generate(prompts, GREEDY)]
+    assert ours == hf_greedy(folder, prompts, GREEDY.max_tokens, ATTENTION.get(name, "sdpa"))

@@ -165,9 +165,9 @@ def paged_prefill_attention(
         return _triton_kernels().paged_prefill_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap=softcap
         )
-    if sliding_window is None and softcap is None and q.device.type == "cpu":
+    if softcap is None and q.device.type == "cpu":
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                                   scale)
+                                                   scale, sliding_window)
     return reference.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
     )

@@ -11,7 +11,10 @@ Unlike kernels/reference.py (the oracle, float32 throughout), q, K and V stay in
 dtype, as in transformers' own bf16 attention (the flash kernel accumulates in float32):
 in bfloat16 that halves the bytes moved and drops a conversion of every gathered page.
 
-Sliding windows go through kernels/reference.py for every chunk.
+With a sliding window W, query j sees only the W positions ending at its own: the call gathers
+the pages from the chunk's first visible position on (not the whole context) and masks the
+window's lower edge as well; a chunk that attends to a whole window of cached tokens is
+therefore as cheap as one at the start of its sequence.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Causal attention of ragged query chunks over their cached pages plus themselves (no window)."""
+    """Causal attention of ragged query chunks over their cached pages plus themselves (within a window, if any)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -42,16 +46,22 @@ def paged_prefill_attention(
         n = end - start
         if n == 0:
             continue
-        table = block_tables[i, : -(-context_len // block_size)]
-        keys = reference._gather_pages(k_cache, table)[:context_len]  # [context_len, num_kv_heads, head_dim]
-        values = reference._gather_pages(v_cache, table)[:context_len]
+        first_query = context_len - n  # the chunk's first position
+        first_page = 0 if sliding_window is None else max(0, first_query - sliding_window + 1) // block_size
+        first_key = first_page * block_size  # the first gathered position
+        table = block_tables[i, first_page : -(-context_len // block_size)]
+        keys = reference._gather_pages(k_cache, table)[: context_len - first_key]  # [keys, num_kv_heads, head_dim]
+        values = reference._gather_pages(v_cache, table)[: context_len - first_key]
         mask = None
-        if n < context_len:  # after cached tokens: query j (at position context_len - n + j) sees positions <= its own
-            q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
-            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, context_len]
+        if n < keys.shape[0] or sliding_window is not None:  # else q_len == k_len and causal says it all
+            q_pos = torch.arange(first_query, context_len, device=q.device)[:, None]  # [n, 1]
+            kv_pos = torch.arange(first_key, context_len, device=q.device)[None, :]  # [1, keys]
+            mask = kv_pos <= q_pos  # [n, keys]
+            if sliding_window is not None:
+                mask &= kv_pos > q_pos - sliding_window
         seq_out = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1)[None],  # [1, num_q_heads, n, head_dim]
-            keys.to(q.dtype).transpose(0, 1)[None],  # [1, num_kv_heads, context_len, head_dim]
+            keys.to(q.dtype).transpose(0, 1)[None],  # [1, num_kv_heads, keys, head_dim]
             values.to(q.dtype).transpose(0, 1)[None],
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_q_heads != num_kv_heads,
         )  # [1, num_q_heads, n, head_dim]

@@ -31,3 +31,21 @@ def test_matches_float64_and_the_reference(context_lens, q_lens, hq, hkv, head_d
         rows = slice(int(starts[i]), int(starts[i + 1]))
         exact = attend64(q[rows], keys[i], values[i], list(range(n - q_len, n)), scale)
         assert_close(out[rows], exact, dtype, f"cpu prefill vs float64, sequence {i} (context {n}, chunk {q_len})")
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window_matches_float64_and_the_reference(window, seed):
+    """Each token sees the `window` positions ending at its own; chunks after long cached parts skip their pages."""
+    context_lens, q_lens, hq, hkv, head_dim, block_size = [100, 40, 9, 64], [70, 40, 1, 5], 4, 2, 16, 8
+    k_cache, v_cache, tables, keys, values = paged_problem(context_lens, hkv, head_dim, block_size, torch.float32, seed)
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, window)
+    assert_close(out, reference.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, window),
+                 torch.float32, "cpu prefill vs reference")
+    for i, (n, q_len) in enumerate(zip(context_lens, q_lens)):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        exact = attend64(q[rows], keys[i], values[i], list(range(n - q_len, n)), scale, window)
+        assert_close(out[rows], exact, torch.float32, f"windowed prefill vs float64, sequence {i}")

@@ -51,21 +51,23 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         return self._template is None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The prompt text for `messages` (each a dict with role and content); `tools` (OpenAI's tool
-        objects) go to the template as `tools`, as Hugging Face templates expect them."""
+        objects) go to the template as `tools`, as Hugging Face templates expect them; `template_kwargs`
+        are more variables (Qwen3's enable_thinking), which cannot replace the ones set here."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise InvalidRequestError(f"messages[{i}] must be an object with a role", param="messages")
         if self._template is None:
             return fallback_chat_prompt(messages)
+        variables = dict(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                         bos_token=self.bos_token, eos_token=self.eos_token)
+        taken = sorted(set(template_kwargs or {}) & set(variables))
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(taken)}",
+                                      param="chat_template_kwargs")
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            return self._template.render(**(template_kwargs or {}), **variables)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc

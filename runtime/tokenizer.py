@@ -98,9 +98,12 @@ class HFTokenizer:
         return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the chat prompt; a real template carries its own special tokens."""
-        text = self.chat_template.render(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the chat prompt; a real template carries its own special tokens.
+
+        `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs, e.g. Qwen3's
+        enable_thinking)."""
+        text = self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=self.chat_template.is_fallback)
 
 
@@ -145,8 +148,9 @@ class ByteTokenizer:
         return "".join(text)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools), add_special_tokens=True)
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=True)
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:

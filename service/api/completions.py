@@ -54,7 +54,8 @@ def chat_prompt(state: ServiceState, body: ChatCompletionRequest, add_generation
     if described is not None:  # no template to show the tools: a system message does
         messages = [{"role": "system", "content": described}, *messages]
     prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                 tools=plan.tools if plan is not None else None)
+                                                 tools=plan.tools if plan is not None else None,
+                                                 template_kwargs=body.chat_template_kwargs)
     return prompt, plan, (plan.constraint() if plan is not None else None) or requested
 
 

@@ -333,6 +333,7 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     modalities: list[str] | None = None
     safety_identifier: str | None = None
     prediction: dict | None = None  # Predicted Outputs: {"type": "content", "content": text or text parts}
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
     # accepted and ignored (openai_fields.CHAT_FIELDS says why)
     store: bool | None = None
     metadata: dict[str, str] | None = None

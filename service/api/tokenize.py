@@ -26,6 +26,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
@@ -57,6 +58,8 @@ async def tokenize(request: web.Request) -> web.Response:
         chat = {"model": state.model_name, "messages": body.messages}
         if body.tools:
             chat["tools"] = body.tools
+        if body.chat_template_kwargs is not None:
+            chat["chat_template_kwargs"] = body.chat_template_kwargs
         tokens, _, _ = chat_prompt(state, decode_body(chat, ChatCompletionRequest), body.add_generation_prompt)
     answer = {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
     if body.return_token_strs:

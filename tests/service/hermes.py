@@ -37,7 +37,12 @@ Call a function by writing <tool_call>{"name": <function name>, "arguments": <ar
 {%- endfor %}
 {%- if add_generation_prompt %}
 <|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}
+{%- endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

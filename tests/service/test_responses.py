@@ -338,6 +338,24 @@ def test_tokenize_and_detokenize_need_a_key_and_count_the_chat_prompt(server, cl
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
 
 
+def test_chat_template_kwargs_reach_the_template(server, client):
+    """vLLM's chat_template_kwargs: enable_thinking false writes Qwen3's empty think block (this template does too)."""
+    messages = [{"role": "user", "content": "When do you open?"}]
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def tokens(**body):
+        return requests.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages, **body},
+                             headers=auth, timeout=10).json()["tokens"]
+
+    thinking, plain = tokens(), tokens(chat_template_kwargs={"enable_thinking": False})
+    assert plain[: len(thinking)] == thinking and len(plain) > len(thinking)
+    chat = _chat(client, messages, 1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat["usage"]["prompt_tokens"] == len(plain)
+    bad = requests.post(server.url + "/v1/chat/completions", headers=auth, timeout=10, json={
+        "model": MODEL, "messages": messages, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count."}], max_tokens=8, temperature=0, stream=True,

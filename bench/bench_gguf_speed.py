@@ -11,6 +11,10 @@ slots, 2 threads), then the loads run alternated (ours, llama.cpp, then llama.cp
             TPOT (the gaps between streamed tokens after the first), output tok/s of the wall time;
 - stream16: 32 requests 16 at a time, 96-token prompts, 64 out: output tok/s of the wall time.
 
+Memory: each server's resident memory (VmRSS of its process tree) once it has answered the
+warm-up, against the file's size; ours holds KV_CACHE_BYTES of pages besides (allocated at start),
+so its ratio is (RSS - KV pages) / file size (the issue's goal: <= 1.2 at 1B Q4_K_M).
+
 The client is this script's own (aiohttp, /v1/completions streamed, prompts as token ids drawn
 from the vocabulary with a fixed seed, the same for both). Results: bench/results/gguf_speed.json,
 with this machine's CPU.
@@ -36,7 +40,21 @@ FILES = ("smollm2-Q4_0", "smollm2-Q4_K_M", "smollm2-Q8_0", "qwen3-0.6b-Q4_K_M", 
 LOADS = {"stream1": dict(requests=4, concurrency=1, prompt=64, out=128),
          "stream16": dict(requests=32, concurrency=16, prompt=96, out=64)}
 SYSTEMS = ("pagedserve", "llama.cpp")
+KV_CACHE_BYTES = 1 << 30
 VOCAB_FLOOR = 1000  # prompt ids from [VOCAB_FLOOR, 32000): ordinary tokens in every vocabulary here
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory (VmRSS) of a process and its descendants, in MiB."""
+    import psutil
+
+    total = 0
+    for proc in [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True):
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return round(total / 2**20, 1)
 
 
 def start(system: str, path: Path, root: Path) -> tuple:
@@ -48,7 +66,7 @@ def start(system: str, path: Path, root: Path) -> tuple:
                               "--served-model-name", "m", "--max-num-seqs", "32"],
                              env={"PAGEDSERVE_SERVER_DATA_DIR": str(root / f"data-{path.stem}"),
                                   "PAGEDSERVE_SERVER_LOG_LEVEL": "warning",
-                                  "PAGEDSERVE_ENGINE_KV_CACHE_MEMORY_BYTES": str(1 << 30)}, log_path=logfile)
+                                  "PAGEDSERVE_ENGINE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES)}, log_path=logfile)
         wait_http(url + "/ready", proc, timeout=600, log_path=logfile)
     else:
         proc = start_process([str(llama_cpp_tools() / "llama-server"), "-m", str(path), "--host", "127.0.0.1",
@@ -112,8 +130,14 @@ def main() -> None:
             servers = {system: start(system, path, root) for system in SYSTEMS}
             runs: dict = {system: {load: [] for load in LOADS} for system in SYSTEMS}
             try:
-                for system, (_, url) in servers.items():  # warm-up: first touch of the weights, kernels' first calls
+                memory = {}
+                for system, (proc, url) in servers.items():  # warm-up: first touch of the weights, kernels' first calls
                     asyncio.run(run_load(url, dict(requests=1, concurrency=1, prompt=16, out=8), 99))
+                    memory[system] = tree_rss_mib(proc.pid)
+                size_mib = path.stat().st_size / 2**20
+                memory["ours_rss_less_kv_over_file"] = (memory["pagedserve"] - KV_CACHE_BYTES / 2**20) / size_mib
+                log(f"{name}: RSS ours {memory['pagedserve']} MiB (less KV pages: x{memory['ours_rss_less_kv_over_file']:.2f} "
+                    f"the file), llama.cpp {memory['llama.cpp']} MiB; file {size_mib:.1f} MiB")
                 for load_name, load in LOADS.items():
                     for repeat, system in alternated(SYSTEMS, 1 if args.quick else args.repeats):
                         measured = asyncio.run(run_load(servers[system][1], load, seed=repeat))
@@ -130,8 +154,8 @@ def main() -> None:
                 summary[load_name] = {"pagedserve": ours, "llama.cpp": peer,
                                       "tok_s_ratio": ours["output_tok_s"] / peer["output_tok_s"],
                                       "tpot_ratio": ours["tpot_ms_p50"] / peer["tpot_ms_p50"]}
-            result["files"][name] = {"size_mib": round(path.stat().st_size / 2**20, 1), "runs": runs,
-                                     "summary": summary}
+            result["files"][name] = {"size_mib": round(path.stat().st_size / 2**20, 1), "memory_mib": memory,
+                                     "runs": runs, "summary": summary}
             write_result("gguf_speed", args.quick, result)  # after each file: a cut-short run keeps what it measured
     for name, entry in result["files"].items():
         for load_name, s in entry["summary"].items():

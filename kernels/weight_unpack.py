@@ -5,17 +5,20 @@
     check      tests/kernels/test_weight_unpack.py: the kernel equals the reference bit for bit
 
 torch's int4 CPU layout (read off the packing op; runtime/model/quantized.py pads rows to a
-multiple of 64 so that only this form occurs): blocks of 64 rows, each [in_features][32]
-bytes; byte j of column k holds the block's row j in its low nibble and row j + 32 in its high one.
+multiple of 64 so that only this form occurs): blocks of B rows, each [in_features][B / 2]
+bytes; byte j of column k holds the block's row j in its low nibble and row j + B / 2 in its
+high one. B is 64 where torch packs for AVX-512 and 32 where it packs for AVX2: `block_rows()`
+finds out by packing a probe once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from kernels import cpu_extension
 
-BLOCK_ROWS = 64
 GROUP = 32
 
 
@@ -28,14 +31,28 @@ def available() -> bool:
     return _extension() is not None
 
 
+@functools.cache
+def block_rows() -> int:
+    """Rows per block of torch's packed int4 layout on this CPU (32 or 64), read off the packing op."""
+    rows, cols = 128, 64
+    q = (torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols) * 7 // 3) % 16  # [rows, cols] codes
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [rows, cols // 2]
+    for block in (64, 32):
+        tiles = packed.reshape(rows // block, cols, block // 2)
+        if torch.equal(torch.cat((tiles & 0x0F, tiles >> 4), dim=2).permute(0, 2, 1).reshape(rows, cols).int(), q):
+            return block
+    raise RuntimeError("torch's packed int4 CPU layout is neither of the known ones (blocks of 32 or 64 rows)")
+
+
 def int4_values(
     packed: torch.Tensor,  # uint8 [N, K // 2], torch's packed int4 CPU layout, N a multiple of 64
     scales_zeros: torch.Tensor,  # bfloat16 [K // 32, N, 2]
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # dtype [N, K]: (q - 8) * scale + zero, computed in dtype
     n, k = packed.shape[0], packed.shape[1] * 2
-    tiles = packed.reshape(n // BLOCK_ROWS, k, 32)  # [block, column, j]
-    low, high = (tiles & 0x0F), (tiles >> 4)  # rows j and j + 32 of each block
+    block = block_rows()
+    tiles = packed.reshape(n // block, k, block // 2)  # [block, column, j]
+    low, high = (tiles & 0x0F), (tiles >> 4)  # rows j and j + block / 2 of each block
     q = torch.cat((low, high), dim=2).permute(0, 2, 1).reshape(n, k).to(dtype)  # [N, K]
     scale = scales_zeros[..., 0].to(dtype).T.repeat_interleave(GROUP, dim=1)  # [N, K]
     zero = scales_zeros[..., 1].to(dtype).T.repeat_interleave(GROUP, dim=1)
@@ -56,7 +73,7 @@ def unpack_int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor | None:
     """The C++ unpack (bfloat16 [N, K]), or None where the extension is not available."""
     ext = _extension()
-    return None if ext is None else ext.unpack_int4(packed, scales_zeros)
+    return None if ext is None else ext.unpack_int4(packed, scales_zeros, block_rows())
 
 
 def unpack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:

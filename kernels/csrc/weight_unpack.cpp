@@ -6,10 +6,11 @@
 // unpacked into a scratch bfloat16 weight, one layer at a time, and that is multiplied.
 //
 // The packed layout (read off the packing op, for weights of a multiple of 64 rows; rows are
-// padded to one): blocks of 64 rows, each [in_features][32] bytes; byte j of column k holds
-// row j of the block in its low nibble and row j + 32 in its high nibble:
+// padded to one): blocks of B rows, each [in_features][B / 2] bytes; byte j of column k holds
+// row j of the block in its low nibble and row j + B / 2 in its high nibble. B depends on the
+// CPU torch packs for: 64 with AVX-512, 32 with AVX2 (kernels/weight_unpack.py reads it off):
 //
-//   packed[block * 32 * K + k * 32 + j] = q[64 block + j][k] | q[64 block + 32 + j][k] << 4
+//   packed[block * B/2 * K + k * B/2 + j] = q[B block + j][k] | q[B block + B/2 + j][k] << 4
 //
 // scales_zeros [K / 32, N, 2] (bfloat16) holds each 32-input group's scale and zero:
 // value = (q - 8) * scale + zero, computed in float32 and rounded to bfloat16 once.
@@ -29,17 +30,18 @@ using pagedserve::bf16_bits;
 using pagedserve::round_bf16;
 using pagedserve::to_float;
 
-constexpr int64_t kBlockRows = 64;
 constexpr int64_t kGroup = 32;
 
 }  // namespace
 
-// packed uint8 [N, K / 2] (torch's layout), scales_zeros bfloat16 [K / 32, N, 2] -> bfloat16 [N, K]
-torch::Tensor unpack_int4(const torch::Tensor& packed, const torch::Tensor& scales_zeros) {
+// packed uint8 [N, K / 2] (torch's layout, blocks of block_rows), scales_zeros bfloat16 [K / 32, N, 2]
+// -> bfloat16 [N, K]
+torch::Tensor unpack_int4(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t block_rows) {
   TORCH_CHECK_VALUE(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
                     "unpack_int4: packed must be contiguous uint8 [N, K / 2]");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK_VALUE(n % kBlockRows == 0, "unpack_int4: rows must be a multiple of 64, got ", n);
+  TORCH_CHECK_VALUE(block_rows == 32 || block_rows == 64, "unpack_int4: blocks of 32 or 64 rows, got ", block_rows);
+  TORCH_CHECK_VALUE(n % block_rows == 0, "unpack_int4: rows must be a multiple of ", block_rows, ", got ", n);
   TORCH_CHECK_VALUE(k % kGroup == 0, "unpack_int4: inputs must be a multiple of 32, got ", k);
   TORCH_CHECK_VALUE(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous() &&
                         scales_zeros.dim() == 3 && scales_zeros.size(0) == k / kGroup && scales_zeros.size(1) == n &&
@@ -50,18 +52,19 @@ torch::Tensor unpack_int4(const torch::Tensor& packed, const torch::Tensor& scal
   const bf16_bits* sz = reinterpret_cast<const bf16_bits*>(scales_zeros.data_ptr<at::BFloat16>());
   bf16_bits* dst = reinterpret_cast<bf16_bits*>(out.data_ptr<at::BFloat16>());
   const int64_t groups = k / kGroup;
-  // one task per (block, group): a 32 x 32-byte tile in, 64 rows x 32 values out
-  at::parallel_for(0, (n / kBlockRows) * groups, 8, [&](int64_t t0, int64_t t1) {
-    uint8_t tile[kGroup][kGroup];  // [j][kk]: the tile transposed, so each row's bytes are contiguous
+  const int64_t half_rows = block_rows / 2;  // bytes per column of a block
+  // one task per (block, group): a 32 x half_rows-byte tile in, block_rows rows x 32 values out
+  at::parallel_for(0, (n / block_rows) * groups, 8, [&](int64_t t0, int64_t t1) {
+    uint8_t tile[32][kGroup];  // [j][kk]: the tile transposed, so each row's bytes are contiguous
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t block = t / groups, group = t % groups;
-      const uint8_t* in = src + block * 32 * k + group * kGroup * 32;
+      const uint8_t* in = src + block * half_rows * k + group * kGroup * half_rows;
       for (int64_t kk = 0; kk < kGroup; ++kk) {
-        for (int64_t j = 0; j < 32; ++j) tile[j][kk] = in[kk * 32 + j];
+        for (int64_t j = 0; j < half_rows; ++j) tile[j][kk] = in[kk * half_rows + j];
       }
-      for (int64_t j = 0; j < 32; ++j) {
+      for (int64_t j = 0; j < half_rows; ++j) {
         for (int64_t half = 0; half < 2; ++half) {
-          const int64_t row = block * kBlockRows + half * 32 + j;
+          const int64_t row = block * block_rows + half * half_rows + j;
           const float scale = to_float(sz[(group * n + row) * 2]);
           const float zero = to_float(sz[(group * n + row) * 2 + 1]);
           bf16_bits* o = dst + row * k + group * kGroup;

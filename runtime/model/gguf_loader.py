@@ -4,7 +4,9 @@ The model is made on the meta device (no memory), then each parameter is filled 
 file's memory map as its tensors arrive: stacked matrices (q/k/v, gate/up) wait only for
 their own pieces, and each is turned at once into its final form (runtime/model/quantize.py
 says which), so a 4-bit file never passes through a float32 copy of the whole model: the
-peak is the kept weights plus one layer's pieces.
+peak is the kept weights plus one layer's pieces. The load log says, per tensor type, the
+form it runs in (grouped4 / grouped8 / int4 / int8 / dense, "rows" for an embedding table kept
+encoded).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from tqdm import tqdm
 
 from runtime.model import ggml_blocks
 from runtime.model.gguf_file import GGUFCheckpoint, GGUFError, GGUFTensor
+from runtime.model.grouped import GroupedWeight
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import weight_target
 from runtime.model.quantize import check_quantization, gguf_form, install_linear, placeholder, quantize_float
-from runtime.model.quantized import EncodedRows, Int4Weight, Int8Weight
+from runtime.model.quantized import EncodedRows, Int4Weight, Int8Weight, QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
@@ -28,13 +31,26 @@ def _dequantized(pieces: list[GGUFTensor]) -> torch.Tensor:  # float32, the piec
     return torch.cat([piece.dequantize() for piece in pieces])
 
 
-def _quantized(pieces: list[GGUFTensor], form: str) -> Int4Weight | Int8Weight:
+def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight:
     """The pieces (row blocks of one matrix, in order) as one quantized weight."""
+    if form in ("grouped4", "grouped8"):
+        if all(p.qtype in ggml_blocks.GROUPED_TYPES for p in pieces):
+            return GroupedWeight.from_groups([ggml_blocks.unpack_groups(p.raw, p.qtype, *p.shape) for p in pieces])
+        form = "dense"  # a matrix stacked with a piece of a type no kernel runs
     if form == "int4" and all(p.qtype in (ggml_blocks.Q4_0, ggml_blocks.Q4_1) for p in pieces):
         unpacked = [ggml_blocks.unpack_q4(p.raw, p.qtype, *p.shape) for p in pieces]
         q, d, m = (torch.cat(parts) for parts in zip(*unpacked))
         return Int4Weight.from_q4(q, d, m)
     return quantize_float(_dequantized(pieces), form)
+
+
+def _form_name(form) -> str:
+    """How a filled weight runs, for the load log."""
+    if isinstance(form, GroupedWeight):
+        return form.form
+    if isinstance(form, QuantizedWeight):
+        return {Int4Weight: "int4", Int8Weight: "int8"}[type(form)]
+    return "rows" if isinstance(form, EncodedRows) else "dense"
 
 
 def _encoded_rows(piece: GGUFTensor) -> EncodedRows:
@@ -56,6 +72,7 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
     slots = {id(getattr(module, f"{name}_weight")): (module, name) for module, name in model.linear_slots()}
     pending: dict[int, list[tuple[slice, GGUFTensor]]] = {}  # id(param) -> pieces so far
     filled: set[int] = set()
+    forms: dict[str, set[str]] = {}  # tensor type -> the forms its tensors run in
     params = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
     tensors = list(checkpoint.tensors())
     with tqdm(total=len(tensors), desc="loading GGUF", unit="tensor", disable=not show_progress) as bar:
@@ -77,7 +94,9 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
             pieces.sort(key=lambda piece: piece[0].start or 0)
             ordered = [t for _, t in pieces]
             del pending[id(param)]
-            _fill(model, param, ordered, slots, owners, quantization, device, dtype)
+            form = _fill(model, param, ordered, slots, owners, quantization, device, dtype)
+            for piece in ordered:
+                forms.setdefault(piece.type_name, set()).add(form)
             filled.add(id(param))
     missing = [name for pid, name in params.items() if pid not in filled]
     if missing:
@@ -86,29 +105,32 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
         model.lm_head = model.embed_tokens
     model.place(device, dtype)
     log.info("GGUF loaded", path=str(checkpoint.path), quantization=quantization, types=checkpoint.tensor_types,
+             forms={name: "+".join(sorted(kinds)) for name, kinds in sorted(forms.items())},
              weight_mib=round(model.weight_bytes() / 2**20, 1))
     return model
 
 
 def _fill(model: LlamaForCausalLM, param: nn.Parameter, pieces: list[GGUFTensor], slots, owners, quantization: str,
-          device: torch.device, dtype: torch.dtype) -> None:
-    """Put one whole parameter, made of `pieces`, into the model in its final form."""
+          device: torch.device, dtype: torch.dtype) -> str:
+    """Put one whole parameter, made of `pieces`, into the model in its final form; returns the form's name."""
     if id(param) in slots:  # a layer's matmul weight
         module, name = slots[id(param)]
         form = gguf_form(quantization, pieces[0].qtype, device, False, dtype)
-        install_linear(module, name, _dequantized(pieces).to(device) if form == "dense" else _quantized(pieces, form),
-                       dtype)
-        return
+        weight = _dequantized(pieces).to(device) if form == "dense" else _quantized(pieces, form)
+        install_linear(module, name, weight, dtype)
+        return _form_name(weight)
     if param is model.embed_tokens or param is model.lm_head:
-        _fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)
-        return
+        return _fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)
     owner, attr = owners[id(param)]  # a norm, or a bias (q/k/v biases stacked like their weights)
     setattr(owner, attr, nn.Parameter(_dequantized(pieces).to(device=device, dtype=dtype), requires_grad=False))
+    return "dense"
 
 
 def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, quantization: str,
-                device: torch.device, dtype: torch.dtype) -> None:
-    """token_embd (also the LM head when tied) or output: dense, or quantized with rows looked up apart."""
+                device: torch.device, dtype: torch.dtype) -> str:
+    """token_embd (also the LM head when tied) or output: dense, or quantized with rows looked up apart.
+
+    Returns the form's name (a tied table: the LM head's)."""
     tied = model.config.tie_word_embeddings
     serves_head = tied or not is_embedding
     form = gguf_form(quantization, piece.qtype, device, True, dtype) if serves_head else "dense"
@@ -116,18 +138,19 @@ def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, 
             and device.type == "cpu" and quantization != "none":
         model.embed_rows = _encoded_rows(piece)
         model.embed_tokens = placeholder(dtype)
-        return
+        return "rows"
     if form == "dense":
         table = nn.Parameter(piece.dequantize().to(device=device, dtype=dtype), requires_grad=False)
         if is_embedding:
             model.embed_tokens = table
         else:
             model.lm_head = table
-        return
+        return "dense"
     head = _quantized([piece], form)
     model.lm_head_packed = head
-    if is_embedding:  # tied: rows are looked up from the same int8 table, or from the file's blocks for int4
-        model.embed_rows = head if isinstance(head, Int8Weight) else _encoded_rows(piece)
+    if is_embedding:  # tied: rows looked up from the same table (int8, the file's groups), or the file's blocks (int4)
+        model.embed_rows = head if isinstance(head, (Int8Weight, GroupedWeight)) else _encoded_rows(piece)
         model.embed_tokens = placeholder(dtype)
     else:
         model.lm_head = placeholder(dtype)
+    return _form_name(head)

@@ -1,22 +1,27 @@
-"""Which form each matmul weight takes (dense, int8, int4) and putting it in the model.
+"""Which form each matmul weight takes (dense, grouped, int8, int4) and putting it in the model.
 
 `engine.quantization` (and `--quantization`) picks it:
 
-    auto   a GGUF file keeps its own quantization where a CPU kernel runs it: Q4_0 and Q4_1 as
-           int4 (exact, scales rounded to bfloat16), Q8_0 as int8 (re-scaled per row: llama.cpp
-           scales every 32 values, torch's int8 kernel every row); other types (F16, BF16, F32,
-           the K-quants) are dequantized to the engine's dtype. A checkpoint folder stays dense.
+    auto   a GGUF file's weights are computed as the file has them, nothing re-quantized: each
+           type whose groups a CPU kernel runs keeps them (runtime/model/grouped.py, float32
+           scales and sums, the file's values exactly): Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS as
+           grouped4; Q5_0, Q5_1, Q8_0, Q5_K, Q6_K as grouped8. The LM head too, in either
+           engine dtype (its sums are float32). Other types (F16, BF16, F32, Q2_K, Q3_K, the
+           IQ2/IQ3/IQ1 grids, ...) are dequantized to the engine's dtype. A checkpoint folder
+           stays dense. gguf_loader logs, per tensor type, the form it runs in.
     none   every weight dense, in the engine's dtype.
     int8   every matmul weight int8, one scale per row.
-    int4   every matmul weight int4, a (scale, zero) per 32 inputs; the LM head int8 (logits are
-           where 4 bits hurt most, and llama.cpp keeps its output matrix wider too).
+    int4   every matmul weight int4, a (scale, zero) per 32 inputs (Q4_0/Q4_1 blocks as they
+           are, scales rounded to bfloat16); the LM head int8 (logits are where 4 bits hurt
+           most, and llama.cpp keeps its output matrix wider too).
 
-The quantized kernels compute in bfloat16 and round their outputs to it. For the layers that
-is noise the next norm absorbs; for the logits of a float32 engine it is not (two candidates
-0.09 apart tie after rounding, and greedy answers change), so a float32 engine keeps its LM
-head dense in float32 whatever the mode; a bfloat16 engine's logits are bfloat16 anyway.
+int8 and int4 run torch's kernels (or ours on AVX512-BF16), in bfloat16, and round their outputs
+to it. For the layers that is noise the next norm absorbs; for the logits of a float32 engine
+it is not (two candidates 0.09 apart tie after rounding, and greedy answers change), so under
+those modes a float32 engine keeps its LM head dense in float32; a bfloat16 engine's logits are
+bfloat16 anyway.
 
-The quantized kernels are torch's CPU ones: on CUDA only `none` and `auto` (dense) load.
+The quantized kernels are CPU ones: on CUDA only `none` and `auto` (dense) load.
 """
 
 from __future__ import annotations
@@ -41,18 +46,16 @@ def check_quantization(mode: str, device: torch.device) -> None:
 
 
 def gguf_form(mode: str, qtype: int, device: torch.device, lm_head: bool, dtype: torch.dtype) -> str:
-    """'dense', 'int8' or 'int4' for a matmul weight of ggml type `qtype` under `mode`."""
-    if device.type != "cpu" or mode == "none" or (lm_head and dtype != COMPUTE_DTYPE):
+    """'dense', 'grouped4', 'grouped8', 'int8' or 'int4' for a matmul weight of ggml type `qtype` under `mode`."""
+    if device.type != "cpu" or mode == "none":
         return "dense"
-    if mode == "int8" or (mode == "int4" and lm_head):
-        return "int8"
-    if mode == "int4":
-        return "int4"
-    if qtype in (ggml_blocks.Q4_0, ggml_blocks.Q4_1):  # auto: the file's own 4 bits
-        return "int4"
-    if qtype == ggml_blocks.Q8_0:
-        return "int8"
-    return "dense"
+    if mode == "auto":  # the file's own groups where a kernel runs them (float32 sums: the LM head too)
+        if qtype in ggml_blocks.GROUPED_TYPES:
+            return "grouped4" if qtype in ggml_blocks.FOUR_BIT_TYPES else "grouped8"
+        return "dense"
+    if lm_head and dtype != COMPUTE_DTYPE:
+        return "dense"
+    return "int8" if mode == "int8" or lm_head else "int4"
 
 
 def folder_form(mode: str, lm_head: bool, dtype: torch.dtype) -> str:

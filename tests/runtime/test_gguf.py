@@ -130,10 +130,10 @@ def _bad_file(kind, hf_models, gguf_dir, stories_dir):
         return write_gguf(gguf_dir / "falcon.gguf", model, "falcon", "F16", stories_dir / "tokenizer.model"), \
             "architecture 'falcon' is not supported"
     if kind == "tensor-type":
-        path = write_gguf(gguf_dir / "q5_0.gguf", model, "llama", "F16", stories_dir / "tokenizer.model",
+        path = write_gguf(gguf_dir / "q8_1.gguf", model, "llama", "F16", stories_dir / "tokenizer.model",
                           drop=("blk.0.ffn_up.weight",))
-        # the same file with one tensor in Q5_0, a type this runtime does not read
-        writer_path = gguf_dir / "q5_0-typed.gguf"
+        # the same file with one tensor in Q8_1 (llama.cpp's activation type, never a weight's): not read here
+        writer_path = gguf_dir / "q8_1-typed.gguf"
         reader = gguf.GGUFReader(str(path))
         writer = gguf.GGUFWriter(str(writer_path), "llama")
         for field in reader.fields.values():
@@ -144,14 +144,14 @@ def _bad_file(kind, hf_models, gguf_dir, stories_dir):
                                  sub_type=field.types[-1] if len(field.types) > 1 else None)
         for tensor in reader.tensors:
             writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-        up = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
-        writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q5_0),
-                          raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        rows, cols = model.model.layers[0].mlp.up_proj.weight.shape
+        blocks = np.random.default_rng(0).integers(0, 256, size=(rows, cols // 32 * 40), dtype=np.uint8)
+        writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        return writer_path, "type Q5_0, which this runtime does not read"
+        return writer_path, "type Q8_1, which this runtime does not read"
     if kind == "no-tokenizer":
         return write_gguf(gguf_dir / "notok.gguf", model, "llama", "F16", None), "holds no tokenizer"
     if kind == "missing-tensor":

@@ -48,11 +48,11 @@ def test_dequantized_greedy_tokens_equal_transformers(dequantized, smollm2_gguf)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_q4_weights_kept_answer_and_weigh_a_fifth(smollm2_gguf, q4_float32, dequantized, dtype):
+def test_q4_weights_kept_answer_and_weigh_about_the_file(smollm2_gguf, q4_float32, dequantized, dtype):
     engine = q4_float32 if dtype == "float32" else Engine.from_pretrained(smollm2_gguf, dtype="bfloat16", num_blocks=32)
     model = engine.runner.model
     kinds = {type(model.layers[0].self_attn.qkv_packed).__name__, type(model.layers[-1].mlp.down_packed).__name__}
-    assert kinds == {"Int4Weight"}
+    assert kinds == {"GroupedWeight"}  # the file's Q4_1 groups, float32 scales (runtime/model/grouped.py)
     out = engine.generate([_chat(engine, QUESTIONS[1])], SamplingParams(max_tokens=16, temperature=0))[0]
     assert all(color in out.outputs[0].text for color in ("Red", "Blue", "Yellow")), out.outputs[0].text
     # "The capital of France is Paris." opens on a near-tie: "The" against "L" (of "L'Étoile, ..."), within
@@ -61,8 +61,10 @@ def test_q4_weights_kept_answer_and_weigh_a_fifth(smollm2_gguf, q4_float32, dequ
     first = engine.generate([_chat(engine, QUESTIONS[0])], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
     top_two = {engine.tokenizer.decode([token_id]) for token_id in first[0].outputs[0].logprobs[0]}  # (+ the pick)
     assert "The" in top_two, top_two
-    if dtype == "bfloat16":  # the LM head kept in 8 bits too (a float32 engine keeps float32 logits)
-        assert model.weight_bytes() <= dequantized.runner.model.weight_bytes() / 5
+    # the file's groups, the LM head's Q8_0 too, in either dtype: float32 scales cost 6 bits a weight against the
+    # file's 5 for Q4_1 (9 against 8.5 for Q8_0), so the weights hold 1.13x the file's bytes
+    assert model.weight_bytes() <= 1.2 * smollm2_gguf.stat().st_size
+    assert model.weight_bytes() <= dequantized.runner.model.weight_bytes() / 4.5
 
 
 def test_q4_perplexity_within_one_percent_of_float32(dequantized, q4_float32):
@@ -75,8 +77,10 @@ def test_q4_perplexity_within_one_percent_of_float32(dequantized, q4_float32):
 
 
 def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
-    """The prompt's last rows after a hit go through the few-rows int4 kernel, a cold prompt through the
-    many-rows one: the two agree bit for bit, so the logprobs and the greedy answer are the same."""
+    """The prompt's last rows after a hit go through the grouped kernel's few-rows loop, a cold prompt through
+    its many-rows one: those agree bit for bit (tests/kernels/test_grouped_matmul.py). Attention does not quite:
+    torch's CPU flash kernel rounds a row's sums differently by how many query rows share its call (1-3 rows,
+    4-16 and 33 do not agree to the bit on this AVX2 machine), so the logprobs agree to 1e-4, the answer exactly."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     for question in QUESTIONS[:2]:
         prompt = _chat(q4_float32, question)
@@ -85,4 +89,6 @@ def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
         cached = q4_float32.generate([prompt], params, cache_salt=salt)[0]
         assert cold.num_cached_tokens == 0 and cached.num_cached_tokens >= 32
         assert cached.outputs[0].token_ids == cold.outputs[0].token_ids
-        assert cached.outputs[0].logprobs == cold.outputs[0].logprobs
+        for cached_step, cold_step in zip(cached.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True):
+            assert cached_step.keys() == cold_step.keys()
+            assert all(abs(cached_step[t] - cold_step[t]) < 1e-4 for t in cold_step)

@@ -1,0 +1,102 @@
+"""A matmul weight kept in the GGUF file's own groups, computed as the file says.
+
+    GroupedWeight  value = int(code) * scale[group] (+ zero[group]), the file's values exactly
+                   grouped4: 4-bit codes read through a 16-entry int8 table, groups of 32
+                             (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS)
+                   grouped8: int8 codes, groups of 32 or 16 (Q5_0, Q5_1, Q8_0, Q5_K; Q6_K per 16)
+
+The codes, scales and zeros come from runtime/model/ggml_blocks.unpack_groups, which computes
+the scales in float32 as ggml does (d * sc, dmin * m), so int * scale + zero is ggml's value
+to the bit, and nothing is re-quantized. A matmul (kernels/grouped_matmul.py) takes float32
+activations (a bfloat16 input is widened, the result rounded back) and sums in float32, in
+the C++ kernel (one arithmetic for any number of rows: a prefix-cache hit computes what a cold
+prompt does), or where it cannot build, by torch ops on blocks of the same values.
+
+A matrix stacked from GGUF tensors of different types (Q4_K_M keeps some attn_v in Q6_K beside
+Q4_K q and k) is kept in the form that holds them all: int8 codes in the smaller group, the
+scales repeated; the values stay the file's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import grouped_matmul
+from runtime.model.ggml_blocks import Groups
+from runtime.model.quantized import QuantizationError, QuantizedWeight
+
+NIBBLE_GROUP = 32  # inputs per group of 4-bit codes
+
+
+def _stack(parts: list[Groups]) -> Groups:
+    """Row blocks of one matrix as one Groups: as they are when they agree, else int8 codes in the smallest group."""
+    first = parts[0]
+    same_table = all((p.table is None) == (first.table is None) and (p.table is None or torch.equal(p.table, first.table))
+                     for p in parts)
+    same_zero = all((p.zero is None) == (first.zero is None) for p in parts)
+    if same_table and same_zero and all(p.group == first.group for p in parts):
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+        return Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero, first.group,
+                      first.table)
+    group = min(p.group for p in parts)
+    codes = torch.cat([p.integers() for p in parts])
+    scale = torch.cat([p.scale.repeat_interleave(p.group // group, dim=1) for p in parts])
+    if all(p.zero is None for p in parts):
+        return Groups(codes, scale, None, group, None)
+    zero = torch.cat([(p.zero if p.zero is not None else torch.zeros_like(p.scale)).repeat_interleave(
+        p.group // group, dim=1) for p in parts])  # a +0.0 added where a part had no zero: no change to a product sum
+    return Groups(codes, scale, zero, group, None)
+
+
+class GroupedWeight(QuantizedWeight):
+    """A [out_features, in_features] weight in ggml's groups; `linear` is x @ W.T + bias in float32 sums."""
+
+    def __init__(self, groups: Groups) -> None:
+        out_features, in_features = groups.codes.shape
+        if in_features % groups.group or tuple(groups.scale.shape) != (out_features, in_features // groups.group):
+            raise QuantizationError(f"grouped weight [{out_features}, {in_features}] needs scales "
+                                    f"[{out_features}, {in_features // groups.group}], got {tuple(groups.scale.shape)}")
+        self.out_features = out_features
+        self.in_features = self._padded_in = in_features
+        self.group = groups.group
+        self.table = groups.table  # int8 [16], or None for int8 codes
+        if groups.table is not None:
+            if groups.group != NIBBLE_GROUP:
+                raise QuantizationError(f"4-bit codes come in groups of {NIBBLE_GROUP}, not {groups.group}")
+            pairs = groups.codes.view(out_features, in_features // NIBBLE_GROUP, 2, 16)
+            # uint8 [out, in // 2]: per 32 inputs, byte j = input j (low nibble) | input j + 16 (high)
+            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+        else:
+            self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
+        self.scale = groups.scale.float().contiguous()  # float32 [out, in // group]
+        self.zero = None if groups.zero is None else groups.zero.float().contiguous()
+        self.form = "grouped4" if self.table is not None else "grouped8"
+
+    @classmethod
+    def from_groups(cls, parts: list[Groups]) -> GroupedWeight:
+        """One weight from the row blocks of a matrix (runtime/model/ggml_blocks.unpack_groups each), in order."""
+        return cls(_stack(parts))
+
+    def _args(self) -> tuple:
+        return self.codes, self.scale, self.zero, self.table
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype (computed in float32)."""
+        inputs = x.float().contiguous()  # [rows, in]
+        if grouped_matmul.available():
+            out = grouped_matmul.grouped_matmul(inputs, *self._args())
+        else:
+            out = grouped_matmul.grouped_matmul_torch(inputs, *self._args())
+        return self._finish(out, bias, x.dtype)
+
+    def dequantize(self) -> torch.Tensor:  # float32 [out, in], the file's values
+        return grouped_matmul.grouped_values(*self._args())
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
+        """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
+        ids = ids.reshape(-1).cpu()
+        zero = None if self.zero is None else self.zero[ids]
+        return grouped_matmul.grouped_values(self.codes[ids], self.scale[ids], zero, self.table).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + (self.scale.numel() + (0 if self.zero is None else self.zero.numel())) * 4

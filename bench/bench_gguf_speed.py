@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -89,8 +90,8 @@ async def one_request(session, url: str, prompt: list[int], max_tokens: int) -> 
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
+            if chunk.get("choices"):  # a token's chunk, even one whose text is empty (llama.cpp's control tokens:
+                times.append(time.perf_counter())  # random-weight models emit the converter's [PAD] tokens)
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"ttft_s": times[0] - sent, "tpot_s": sum(gaps) / len(gaps) if gaps else 0.0, "chunks": len(times)}
 
@@ -101,7 +102,10 @@ async def run_load(url: str, load: dict, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(VOCAB_FLOOR, 32000) for _ in range(load["prompt"])] for _ in range(load["requests"])]
     limit = asyncio.Semaphore(load["concurrency"])
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+    # a connection per request: llama-server closes kept-alive connections between requests, which a reused
+    # connection meets as "Can not write request body"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         async def bounded(prompt):
             async with limit:
                 return await one_request(session, url, prompt, load["out"])
@@ -123,8 +127,9 @@ def main() -> None:
     import tempfile
 
     result = {"machine": machine_info(), "loads": LOADS, "files": {}}
-    with tempfile.TemporaryDirectory(prefix="gguf-speed-") as tmp:
-        root = Path(tmp)
+    root = Path(tempfile.mkdtemp(prefix="gguf-speed-"))  # the servers' logs: kept when a run fails
+    log(f"server logs in {root}")
+    if True:
         for name in args.files:
             path = gguf_path(name)
             servers = {system: start(system, path, root) for system in SYSTEMS}
@@ -157,6 +162,7 @@ def main() -> None:
             result["files"][name] = {"size_mib": round(path.stat().st_size / 2**20, 1), "memory_mib": memory,
                                      "runs": runs, "summary": summary}
             write_result("gguf_speed", args.quick, result)  # after each file: a cut-short run keeps what it measured
+    shutil.rmtree(root, ignore_errors=True)
     for name, entry in result["files"].items():
         for load_name, s in entry["summary"].items():
             print(f"{name:22s} {load_name:8s} ours {s['pagedserve']['output_tok_s']:7.1f} tok/s "

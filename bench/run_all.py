@@ -47,6 +47,9 @@ SCRIPTS = {  # name: the script, then its arguments
     "side_channel": ["side_channel.py"],
     "apis": ["bench_apis.py"],
     "responses_cache": ["bench_responses_cache.py"],
+    "ggml_types": ["bench_ggml_types.py"],
+    "gguf_speed": ["bench_gguf_speed.py"],
+    "kld": ["bench_kld.py"],
     "profile_speculative": ["profile_speculative.py"],
 }
 

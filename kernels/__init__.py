@@ -105,10 +105,11 @@ def prepare_cpu_kernels() -> dict[str, bool]:
 
     Returns which are available; those that are not leave their callers on the torch path.
     """
-    from kernels import quant_matmul, weight_unpack
+    from kernels import grouped_matmul, quant_matmul, weight_unpack
 
     return {"paged_decode": cpu_attention.available(), "fused_ops": fused_ops.native_for(torch.zeros(1)),
-            "weight_unpack": weight_unpack.available(), "quant_matmul": quant_matmul.available()}
+            "weight_unpack": weight_unpack.available(), "quant_matmul": quant_matmul.available(),
+            "grouped_matmul": grouped_matmul.available()}
 
 
 def paged_decode_attention(

@@ -61,8 +61,8 @@ def _family_configs(common: dict) -> dict:
         "qwen3": Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
         "gemma2": Gemma2Config(**gemma, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
                                final_logit_softcapping=5.0),
-        "gemma3": Gemma3TextConfig(
-            **gemma, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        "gemma3": Gemma3TextConfig(  # one KV head, as Gemma 3 1B
+            **dict(gemma, num_key_value_heads=1), query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
         "phi3-longrope": Phi3Config(

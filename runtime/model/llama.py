@@ -84,8 +84,10 @@ class Attention(nn.Module):
     def _norm_heads(self, qkv: torch.Tensor, native: bool) -> torch.Tensor:  # [num_tokens, q + 2 * kv]
         """qkv with each head of q and of k RMS-normed over head_dim (Qwen3's and Gemma 3's q/k norms)."""
         num_tokens, q_end = qkv.shape[0], self.q_size
-        q = self.q_norm.forward(None, qkv[:, :q_end].reshape(-1, self.head_dim), native)  # [tokens * heads, head_dim]
-        k = self.k_norm.forward(None, qkv[:, q_end : q_end + self.kv_size].reshape(-1, self.head_dim), native)
+        # contiguous copies (one KV head's slice reshapes to a strided view): [tokens * heads, head_dim]
+        q = self.q_norm.forward(None, qkv[:, :q_end].reshape(-1, self.head_dim).contiguous(), native)
+        k = self.k_norm.forward(None, qkv[:, q_end : q_end + self.kv_size].reshape(-1, self.head_dim).contiguous(),
+                                native)
         return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), qkv[:, q_end + self.kv_size :]), dim=1)
 
 

@@ -5,6 +5,8 @@ The engine loads its model here, and a draft model (speculative decoding) loads 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import structlog
@@ -19,6 +21,16 @@ from runtime.model.quantize import check_quantization, quantize_model
 from runtime.tokenizer import HFTokenizer
 
 log = structlog.get_logger(__name__)
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the OS (glibc keeps them after loading's temporaries: ~300 MiB
+    of a 1B Q4_K_M file's unpacking stayed resident); nothing where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, quantization: str,
@@ -36,10 +48,12 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
         tokenizer = HFTokenizer.from_gguf(path, checkpoint) if with_tokenizer else None
         net = load_gguf_model(checkpoint, device, dtype, quantization, show_progress=show_progress)
         checkpoint.close()
+        _return_freed_memory()
         return net, tokenizer, path.name.removesuffix(".gguf")
     config = load_model_config(path)
     log.info("loading model", path=str(path), model_type=config.model_type, layers=config.num_layers)
     check_quantization(quantization, device)
     net = load_model(config, path, device, dtype, show_progress=show_progress)
     quantize_model(net, quantization)
+    _return_freed_memory()
     return net, HFTokenizer(path) if with_tokenizer else None, path.name

@@ -59,14 +59,15 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise InvalidRequestError(f"messages[{i}] must be an object with a role", param="messages")
+        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # set below, on every path
+        taken = sorted(set(template_kwargs or {}) & reserved)
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(taken)}",
+                                      param="chat_template_kwargs")
         if self._template is None:
             return fallback_chat_prompt(messages)
         variables = dict(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                          bos_token=self.bos_token, eos_token=self.eos_token)
-        taken = sorted(set(template_kwargs or {}) & set(variables))
-        if taken:
-            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(taken)}",
-                                      param="chat_template_kwargs")
         try:
             return self._template.render(**(template_kwargs or {}), **variables)
         except jinja2.TemplateError as exc:

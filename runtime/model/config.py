@@ -212,7 +212,7 @@ def model_config_from_hf(hf: dict, generation_config: dict | None = None) -> Mod
         if model_type == "gemma3_text":
             local_theta = float(hf.get("rope_local_base_freq", 10000.0))
     partial = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * partial) if partial != 1.0 else None
+    rotary_dim = hf.get("rotary_dim") or (round(head_dim * partial) if partial != 1.0 else None)  # a GGUF's count
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
     else:

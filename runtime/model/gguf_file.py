@@ -231,7 +231,7 @@ class GGUFCheckpoint:
         }
         rotary_dim = key("rope.dimension_count", None)
         if rotary_dim is not None and int(rotary_dim) != head_dim:
-            config["partial_rotary_factor"] = int(rotary_dim) / head_dim
+            config["rotary_dim"] = int(rotary_dim)
         if arch == "qwen2":
             config["use_sliding_window"] = False
         elif arch == "llama":

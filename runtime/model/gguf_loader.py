@@ -36,7 +36,7 @@ def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight:
     if form in ("grouped4", "grouped8"):
         if all(p.qtype in ggml_blocks.GROUPED_TYPES for p in pieces):
             return GroupedWeight.from_groups([ggml_blocks.unpack_groups(p.raw, p.qtype, *p.shape) for p in pieces])
-        form = "dense"  # a matrix stacked with a piece of a type no kernel runs
+        return _dequantized(pieces)  # stacked with a piece no kernel runs: dense, exactly (install_linear casts)
     if form == "int4" and all(p.qtype in (ggml_blocks.Q4_0, ggml_blocks.Q4_1) for p in pieces):
         unpacked = [ggml_blocks.unpack_q4(p.raw, p.qtype, *p.shape) for p in pieces]
         q, d, m = (torch.cat(parts) for parts in zip(*unpacked))

@@ -76,12 +76,6 @@ def test_serve_with_a_wrong_model_path_says_so(tmp_path):
     assert code == 1 and "nothing-here does not exist" in _one_error_line(output)
 
 
-dynamo = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import dynamo._core"], capture_output=True).returncode != 0,
-    reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
-
-
-@dynamo
 def test_a_worker_with_a_bad_discovery_folder_or_model_says_so_and_registers_nothing(tmp_path, stories_dir):
     (tmp_path / "file").write_text("")
     code, output, _ = _run("worker", "--model", str(stories_dir), "--discovery-dir", str(tmp_path / "file" / "d"))
@@ -91,7 +85,6 @@ def test_a_worker_with_a_bad_discovery_folder_or_model_says_so_and_registers_not
     assert not list((tmp_path / "d").rglob("*%2F*"))  # no instance, model card or event channel left behind
 
 
-@dynamo
 def test_a_front_door_fails_fast_on_a_taken_port_and_says_when_no_worker_came(tmp_path, stories_dir, taken_port):
     flags = ("serve", "--router", "dynamo", "--model", str(stories_dir), "--discovery-dir", str(tmp_path / "d"),
              "--data-dir", str(tmp_path / "data"))
@@ -101,7 +94,6 @@ def test_a_front_door_fails_fast_on_a_taken_port_and_says_when_no_worker_came(tm
     assert code == 1 and "no pagedserve worker answered" in _one_error_line(output)
 
 
-@dynamo
 def test_a_worker_without_a_port_takes_a_free_one_and_prints_it(tmp_path, stories_dir):
     worker = Process("worker", ["worker", "--model", str(stories_dir), "--discovery-dir", str(tmp_path / "d"),
                                 "--num-blocks", "32"], 0, tmp_path, {})

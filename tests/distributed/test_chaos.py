@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import pytest
 import requests
 
 from tests.distributed.cluster import start_front_door, start_worker, wait_until
 from tests.processes import Process
 
-pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
-websockets_sync = pytest.importorskip("websockets.sync.client")
+import dynamo._core  # noqa: E402,F401  ai-dynamo-runtime, a dev dependency (`make test` installs it): missing fails
+import websockets.sync.client as websockets_sync  # noqa: E402
 
 NUM_BLOCKS = 96
 WORKER_TIMEOUT_S = 6.0  # the front door's distributed.worker_timeout_s: no worker silent longer holds a request

@@ -12,15 +12,14 @@ import random
 import time
 
 import msgspec
-import pytest
 
 from runtime import Engine, SamplingParams
 from runtime.kv_events import BlockRemoved, BlockStored
 from service.distributed.vllm_events import END_OF_REPLAY, VllmEventPublisher, external_hash, vllm_events
 from tests.service.redis_fixture import free_port
 
-core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
-zmq = pytest.importorskip("zmq")
+import dynamo._core as core  # noqa: E402  a dev dependency (`make test` installs it): missing fails
+import zmq  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 

@@ -29,8 +29,6 @@ ALPHA = 0.05
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
 def test_an_attacker_cannot_tell_a_victims_cached_prompt_from_its_clock(name, stories_dir, tmp_path):
-    if name == "dynamo":
-        pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is a dev dependency: `make test` installs it")
     deployment = start(name, stories_dir, tmp_path)
     try:
         salted = attack(deployment, stories_dir, "salted", NUM_PROBES, seed=0)

@@ -6,7 +6,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
 from kernels import cpu_extension
 
@@ -14,8 +13,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_a_lock_left_by_a_killed_builder_does_not_block_the_next_load():
-    if cpu_extension.load("paged_decode.cpp") is None:
-        pytest.skip("no C++ toolchain here: the torch path serves and nothing is built")
+    # the C++ toolchain is part of the test setup (`make test` builds the kernels first): none is a failure
+    assert cpu_extension.load("paged_decode.cpp") is not None, "the C++ kernels do not build here"
     from torch.utils import cpp_extension
 
     name = cpu_extension._module_name(cpu_extension.CSRC / "paged_decode.cpp", cpu_extension.BASE_FLAGS)

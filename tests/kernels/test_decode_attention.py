@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import triton  # noqa: E402,F401  a dev dependency (`make test` installs it): missing is a failure, not a skip
 
 import kernels  # noqa: E402
 from kernels.decode_attention import paged_decode_attention as triton_decode  # noqa: E402

@@ -53,25 +53,17 @@ def our_logprobs(path: Path, ids: list[int], quantization: str, dtype: str):
     import torch
 
     from runtime import Engine
-    from runtime.attention import AttentionMetadata
+    from runtime.perplexity import prefill_hidden
 
     engine = Engine.from_pretrained(path, quantization=quantization, dtype=dtype, num_blocks=CONTEXT // 16 + 1,
                                     block_size=16)
-    runner = engine.runner
     bos = engine.tokenizer.bos_token_id
     rows = []
     with torch.inference_mode():
         for start in range(0, len(ids) - CONTEXT + 1, CONTEXT):
             chunk = torch.tensor([bos] + ids[start + 1 : start + CONTEXT], dtype=torch.int64)
-            positions = torch.arange(CONTEXT, dtype=torch.int64)
-            meta = AttentionMetadata(
-                slot_mapping=positions.clone(), num_decode_tokens=0, decode_block_tables=None,
-                decode_context_lens=torch.zeros(0, dtype=torch.int32),
-                prefill_block_tables=torch.arange(CONTEXT // 16, dtype=torch.int32)[None],
-                prefill_query_start_loc=torch.tensor([0, CONTEXT], dtype=torch.int32),
-                prefill_context_lens=torch.tensor([CONTEXT], dtype=torch.int32), kernel_backend=runner.kernel_backend)
-            hidden = runner.model(chunk, positions, runner.layer_caches, meta)  # [CONTEXT, hidden]
-            logits = runner.model.compute_logits(hidden[CONTEXT // 2 : CONTEXT - 1])  # [255, vocab]
+            hidden = prefill_hidden(engine, chunk, 0, CONTEXT)  # [CONTEXT, hidden]; a fresh sequence each chunk
+            logits = engine.runner.model.compute_logits(hidden[CONTEXT // 2 : CONTEXT - 1])  # [255, vocab]
             rows.append(torch.log_softmax(logits.float(), dim=-1))
     return torch.cat(rows), engine.tokenizer
 

@@ -21,6 +21,7 @@ every norm is the same kernel.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -56,7 +57,6 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # the window of the layers that have one (layer_windows says which)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # --- what differs between families (the table at the top) ---
@@ -92,7 +92,7 @@ class ModelConfig:
         """Whether layer `layer` rotates with the windowed layers' own base (Gemma 3's local layers)."""
         return self.local_rope_theta is not None and self.window(layer) is not None
 
-    @property
+    @functools.cached_property  # asked every step (runtime/model_runner.py); a frozen dataclass still caches it
     def windows(self) -> tuple[int | None, ...]:
         """Each distinct window of the layers (None: full attention), in layer order."""
         return tuple(dict.fromkeys(self.window(i) for i in range(self.num_layers)))
@@ -111,7 +111,8 @@ class ModelConfig:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if self.rotary_size % 2 or self.rotary_size > self.head_dim:
-            raise UnsupportedModelError(f"rotary dims {self.rotary_size} must be even and at most head_dim {self.head_dim}")
+            raise UnsupportedModelError(f"rotary dims {self.rotary_size} must be even and at most head_dim "
+                                        f"{self.head_dim}")
 
 
 def _as_tuple(value) -> tuple[int, ...]:
@@ -150,7 +151,8 @@ def _longrope(scaling: dict, hf: dict) -> dict:
     if attention_factor is None:  # the paper's default, as transformers computes it
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {"rope_type": "longrope", "short_factor": [float(f) for f in scaling["short_factor"]],
-            "long_factor": [float(f) for f in scaling["long_factor"]], "original_max_position_embeddings": int(original),
+            "long_factor": [float(f) for f in scaling["long_factor"]],
+            "original_max_position_embeddings": int(original),
             "attention_factor": float(attention_factor)}
 
 
@@ -175,18 +177,29 @@ def _layer_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | No
         raise UnsupportedModelError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
-        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported "
+                                    "(sliding_attention, full_attention)")
     if window is None or "sliding_attention" not in types:
         return ()
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
 
 
+def _gemma3_text_config(hf: dict) -> dict:
+    """A multimodal Gemma 3 config's text model, its fields made whole by transformers' own Gemma3TextConfig
+    (published folders write only what differs from its defaults: head_dim, rope bases, query_pre_attn_scalar)."""
+    from transformers import Gemma3TextConfig
+
+    text = dict(hf["text_config"])
+    for key in ("bos_token_id", "eos_token_id"):
+        text.setdefault(key, hf.get(key))
+    text.pop("model_type", None)
+    return {**Gemma3TextConfig(**text).to_dict(), "model_type": "gemma3_text"}
+
+
 def model_config_from_hf(hf: dict, generation_config: dict | None = None) -> ModelConfig:
     """Map a Hugging Face config dict (and generation_config) onto ModelConfig."""
     if hf.get("model_type") == "gemma3" and "text_config" in hf:  # the multimodal folder: its text model
-        hf = {**hf["text_config"], "model_type": "gemma3_text",
-              "eos_token_id": hf["text_config"].get("eos_token_id", hf.get("eos_token_id")),
-              "bos_token_id": hf["text_config"].get("bos_token_id", hf.get("bos_token_id"))}
+        hf = _gemma3_text_config(hf)
     model_type = hf.get("model_type")
     if model_type == "gemma3":
         model_type = "gemma3_text"
@@ -237,7 +250,6 @@ def model_config_from_hf(hf: dict, generation_config: dict | None = None) -> Mod
         o_bias=o_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        sliding_window=hf.get("sliding_window") if layer_windows else None,
         bos_token_id=generation_config.get("bos_token_id", hf.get("bos_token_id")),
         eos_token_ids=_as_tuple(eos),
         hidden_act=SUPPORTED_ACTIVATIONS[activation],

@@ -31,8 +31,8 @@ def _dequantized(pieces: list[GGUFTensor]) -> torch.Tensor:  # float32, the piec
     return torch.cat([piece.dequantize() for piece in pieces])
 
 
-def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight:
-    """The pieces (row blocks of one matrix, in order) as one quantized weight."""
+def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight | torch.Tensor:
+    """The pieces (row blocks of one matrix, in order) as one quantized weight (float32 where they cannot be)."""
     if form in ("grouped4", "grouped8"):
         if all(p.qtype in ggml_blocks.GROUPED_TYPES for p in pieces):
             return GroupedWeight.from_groups([ggml_blocks.unpack_groups(p.raw, p.qtype, *p.shape) for p in pieces])

@@ -105,7 +105,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
         gate_up = linear.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)  # [n, 2 * inter]
-        hidden = fused_ops.gelu_tanh_and_mul(gate_up) if self.gelu else fused_ops.silu_and_mul(gate_up, native)  # [n, inter]
+        if self.gelu:
+            hidden = fused_ops.gelu_tanh_and_mul(gate_up)  # [n, inter]
+        else:
+            hidden = fused_ops.silu_and_mul(gate_up, native)
         return linear.linear(hidden, self.down_weight, self.down_bias, self.down_packed)
 
 
@@ -152,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_rows = None  # set when the embedding table is kept quantized: .rows(ids, dtype) looks rows up
         self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
         self.local_rope_cos = self.local_rope_sin = None  # Gemma 3's windowed layers' own tables (set by place)
+        self.embedding_scale = None  # Gemma: a 0-d tensor in the weights' dtype (set by place)
 
     def place(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         """Move weights to `device` in `dtype`; the rotation tables stay float32 (as in transformers)."""
@@ -162,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
         if self.config.local_rope_theta is not None:
             cos, sin = rope_cos_sin(self.config, self.config.max_position_embeddings, local=True)
             self.local_rope_cos, self.local_rope_sin = cos.to(device), sin.to(device)
+        if self.config.embedding_scale is not None:  # rounded to the weights' dtype, as transformers scales Gemma's
+            self.embedding_scale = torch.tensor(self.config.embedding_scale).to(device=device, dtype=dtype)
         return self.eval()
 
     def pack_linear_weights(self) -> bool:
@@ -199,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
             residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]; updated in place
         else:
             residual = self.embed_rows.rows(input_ids, self.norm.weight.dtype)
-        if self.config.embedding_scale is not None:  # in the weights' dtype, as transformers scales Gemma's
-            residual = residual * torch.tensor(self.config.embedding_scale).to(residual.dtype)
+        if self.embedding_scale is not None:
+            residual = residual * self.embedding_scale
         native = fused_ops.native_for(residual)
         normed = self.layers[0].input_layernorm.forward(None, residual, native)
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]

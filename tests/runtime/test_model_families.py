@@ -96,3 +96,28 @@ def test_gemma2_logprobs_carry_the_final_soft_cap(random_checkpoints):
         expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
     for token_id, logprob in first.items():
         assert logprob == pytest.approx(float(expected[token_id]), abs=1e-4)
+
+
+def test_a_multimodal_gemma3_folders_text_model_takes_gemma3s_defaults(tmp_path):
+    """Published Gemma 3 4B-27B folders write a short text_config (what differs from Gemma3TextConfig's defaults)
+    and prefix the text model's weights; both are read as transformers reads them."""
+    from runtime.model.config import model_config_from_hf
+    from runtime.model.llama import LlamaForCausalLM
+    from runtime.model.loader import weight_target
+
+    hf = {"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 1024,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}}
+    config = model_config_from_hf(hf)
+    shape = (config.model_type, config.head_dim, config.vocab_size, config.eos_token_ids)
+    assert shape == ("gemma3_text", 256, 262208, (1, 106))
+    assert config.attention_scale == 256**-0.5
+    assert (config.rope_theta, config.local_rope_theta) == (1_000_000.0, 10_000.0)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.layer_windows[:2] == (1024, 1024)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for prefix in ("language_model.model", "model.language_model"):  # older and transformers-5 folders
+        key = f"{prefix}.layers.1.self_attn.q_norm.weight"
+        assert weight_target(model, key)[0] is model.layers[1].self_attn.q_norm.weight
+    assert weight_target(model, "model.vision_tower.vision_model.embeddings.patch_embedding.weight") is None

@@ -352,6 +352,21 @@ def timed(fn, box: list[float]):
     return wrapper
 
 
+def read_bandwidth_gbs(buffer_mib: int = 512, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth in GB/s, STREAM-like: the best of `repeats` float32 sums over
+    a buffer far past the last-level cache, on torch's threads (the decode kernels' own threads)."""
+    import torch
+
+    buffer = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)  # touched once: pages mapped before timing
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
 def time_ms(fn, iters: int) -> float:
     """Milliseconds per call of `fn`, over `iters` calls after one untimed call."""
     fn()

@@ -12,15 +12,14 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
 
     reference  grouped_values (the weight in any float dtype; float32: exactly the file's values),
                grouped_matmul_reference: x @ W.T in float64
-    kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N], the weights made in float32 exactly
-               (one fma per weight), the sums in float32 FMAs in one order whatever M (a few rows:
-               weights decoded in registers; many: decoded into a cached block), so a row's result
-               does not depend on the rows beside it
+    kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int16 per block of G inputs
+               (d = max|x| / 32767: 2^-16 of the block's largest value; quantize_activations, and its
+               torch twin activation_blocks_reference, bit for bit), each group's integer dot product
+               exact (vpmaddwd), then one fma per group and 8 lanes reduced by a fixed tree: a row's
+               result does not depend on the rows beside it, and the AVX2 and plain builds agree to
+               the bit. (llama.cpp rounds activations to int8 per 32: 2^-8.)
                grouped_unpack: rows [start, end) of W in float32
-    torch      grouped_matmul_torch: the same result through torch ops (blocks of W made by
-               grouped_values, then torch's matmul), where the C++ cannot build
-               (PAGEDSERVE_CPU_KERNELS=torch, no compiler)
-    check      tests/kernels/test_grouped_matmul.py: within float32 accumulation of the float64 reference
+    check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 from kernels import cpu_extension
 
 UNPACK_BLOCK_VALUES = 1 << 21  # weights made at a time by the torch path (8 MiB of float32)
+ACTIVATION_MAX = 32767.0  # the kernel's activations: int16 in [-32767, 32767] per block
 
 
 @functools.cache
@@ -87,15 +87,41 @@ def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 
 def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                   table: torch.Tensor | None, loop: str = "auto", portable: bool = False) -> torch.Tensor:
-    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`).
-
-    `loop`: "auto" (by the number of rows), or "few" / "many" to force one of the two loops (they
-    agree bit for bit; the tests check it).
-    """
+                   table: torch.Tensor | None, portable: bool = False) -> torch.Tensor:
+    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int16 blocks."""
     group = x.shape[1] // scale.shape[1]
-    direct = {"auto": -1, "few": 1, "many": 0}[loop]
-    return _extension(portable).grouped_matmul(x.contiguous(), codes, scale, _zero(zero), _table(table), group, direct)
+    return _extension(portable).grouped_matmul(x.contiguous(), codes, scale, _zero(zero), _table(table), group)
+
+
+def quantize_activations(x: torch.Tensor, group: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's own int16 blocks of x float32 [M, K]: q int16 [M, K], d float32 [M, K // group]."""
+    q, d, _ = _extension(portable).quantize_activations(x.contiguous(), group, False)
+    return q, d
+
+
+def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel rounds x float32 [M, K] to, by torch ops: q int16 [M, K], d float32 [M, K // group].
+
+    Per block of `group` inputs: d = max|x| / 32767, q = round(x * (32767 / max|x|)) to nearest even
+    (all zero for an all-zero block; d NaN and q 0 for a block with a NaN or an infinity).
+    """
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // group, group)
+    amax = blocks.abs().amax(-1)  # [M, K // group]
+    finite = torch.isfinite(blocks).all(-1)
+    limit = torch.full_like(amax, ACTIVATION_MAX)  # a tensor: torch divides by a Python number as a reciprocal's product
+    d = torch.where(finite, amax / limit, torch.full_like(amax, float("nan")))
+    inverse = torch.where(finite & (amax > 0), limit / amax, torch.zeros_like(amax))
+    scaled = torch.where(finite[..., None], blocks * inverse[..., None], torch.zeros_like(blocks))
+    q = scaled.round().clamp(-ACTIVATION_MAX, ACTIVATION_MAX).to(torch.int16)
+    return q.reshape(m, k), d
+
+
+def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:  # float64 [M, K]
+    """x as the kernel multiplies it: q * d of its int16 blocks, exactly (in float64)."""
+    q, d = activation_blocks_reference(x, group)
+    m, k = x.shape
+    return (q.double().reshape(m, k // group, group) * d.double()[..., None]).reshape(m, k)
 
 
 def grouped_unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,

@@ -4,27 +4,31 @@
 //
 // codes are 4-bit (uint8 [N, K / 2]; per 32-input group 16 bytes, byte j = input j low nibble, input
 // j + 16 high; a nibble is read through a 16-entry int8 table) or 8-bit (int8 [N, K]); scale and zero
-// are float32 [N, K / G], G = 32 (or 16 for 8-bit codes). Each weight is made in float32 as
-// fma(int, scale, zero) (or int * scale without a zero): int * scale is exact for every ggml type
-// (<= 24 significant bits), so that is one rounding, the same as ggml's, and the kernel multiplies by
-// exactly the file's values.
+// are float32 [N, K / G], G = 32 (or 16 for 8-bit codes). The weights are the file's: the integers
+// and scales as stored, nothing rounded again.
 //
-// One arithmetic for every number of rows: out[r][n] is 8 float32 lanes, lane l summing
-// x[r][k] * w[n][k] for k = l mod 8 in increasing k by FMA, then the lanes reduced by one fixed tree.
-// Two loops compute it; which one runs moves only time, never a bit (a prefix-cache hit, whose last
-// rows arrive alone, computes what the whole prompt did):
+// The activations are rounded to int16, per block of G inputs (one block per weight group):
+//   d = max |x| / 32767, q = round(x / d) (to nearest even): |x - q d| <= d / 2, 2^-16 of the block's
+//   largest value (llama.cpp rounds them to int8 per 32: 2^-8). A block holding a NaN or an infinity
+//   gets d = NaN, so the outputs it reaches are NaN, as a float matmul's would be.
+// Then per group the integer dot product is exact, and one float32 step adds it in:
+//   acc[l] = fma(float(isum[l]), scale[g] * d[g], acc[l])     8 lanes; lane l holds the products of
+//                                                              inputs 2l, 2l+1, 16+2l, 17+2l of the group
+//   out = reduce(acc) + reduce(zacc)      zacc[l] = fma over g = l mod 8 of zero[g] * (d[g] * sum of q)
+// (|isum| <= 4 * 32767 * 128 < 2^24: its float is exact.) reduce is one fixed tree of the 8 lanes.
+// The sum of a row therefore never depends on the rows beside it, on how the rows are split into
+// calls (a prefix-cache hit, whose last rows arrive alone, computes what the whole prompt did; a
+// speculative verify computes what plain decoding does), or on the build: the AVX2 loops and the
+// plain C++ ones give the same bits (tests/kernels/test_grouped_matmul.py).
 //
-//   few rows (m <= kDirectMaxRows): per output, its weights decoded in registers, a group at a time,
-//       once per block of up to 8 rows of x, and multiplied against each row there.
-//   many rows: per task, kBlockOutputs outputs' weights decoded once into a float32 scratch block
-//       (in L1/L2), then tiles of 2 rows x 4 outputs run from it, each (row, output) in the same order.
-//
+// Loop: per output, a group's codes are decoded once (to int16 in registers) for a block of up to 8
+// rows, and multiplied against each row's int16 block (vpmaddwd: 16 products an instruction). The
+// rows run in chunks that stay in L2; the outputs are split between the threads (at::parallel_for).
 // grouped_unpack: rows [start, end) of W as float32 (the references, and anything that wants W dense).
-// The outputs are split between the threads (at::parallel_for).
 //
 // AVX2 + FMA where the compiler targets it (-march=native): a group's nibbles become int8 through one
-// byte shuffle (pshufb: the 16-entry table), then int32, then float. Elsewhere the same loops in plain
-// C++ (the compiler vectorizes what it can). No AVX-512 path (none to measure it on yet).
+// byte shuffle (pshufb: the 16-entry table), then int16. Elsewhere the same arithmetic in plain C++.
+// No AVX-512 path (none to measure it on yet).
 
 #include <torch/extension.h>
 
@@ -43,9 +47,11 @@
 
 namespace {
 
-constexpr int64_t kNibbleGroup = 32;   // inputs per group of 4-bit codes (16 bytes)
-constexpr int64_t kDirectMaxRows = 8;  // up to here the few-rows loop (bench/bench_ggml_types.py)
-constexpr int64_t kBlockOutputs = 8;   // many rows: outputs decoded into scratch at a time
+constexpr int64_t kNibbleGroup = 32;              // inputs per group of 4-bit codes (16 bytes)
+constexpr int kRowBlock = 8;                      // rows that share one decode of a group
+constexpr int64_t kBlockOutputs = 8;              // outputs per unit of the threads' split
+constexpr int64_t kRowChunkBytes = 128 * 1024;    // int16 rows run against each output at a time (L2)
+constexpr float kActivationMax = 32767.0f;        // int16 activations: q in [-32767, 32767]
 
 struct Weight {
   const uint8_t* codes;  // row n at codes + n * code_stride
@@ -56,189 +62,250 @@ struct Weight {
   const int8_t* table;  // 16 entries (4-bit codes)
 };
 
+struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
+  const int16_t* q;   // [M][K]
+  const float* d;     // [M][groups]
+  const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
+  int64_t k;
+  int64_t groups;
+};
+
+// the 8 lanes of an accumulator summed by one fixed tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float reduce_lanes(const float* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// the zero term of one (row, output): lane l sums zero[g] * sum[g] over g = l mod 8, in increasing g
+inline float zero_term_portable(const float* zero, const float* sum, int64_t groups, int64_t g, float* lanes) {
+  for (; g < groups; ++g) lanes[g & 7] = __builtin_fmaf(zero[g], sum[g], lanes[g & 7]);
+  return reduce_lanes(lanes);
+}
+
+// the scale of one block of activations, and its inverse (0 for an all-zero block)
+inline void block_scale(float amax, bool finite, float* d, float* inverse) {
+  if (!finite) {
+    *d = __builtin_nanf("");
+    *inverse = 0.0f;
+  } else {
+    *d = amax / kActivationMax;
+    *inverse = amax > 0.0f ? kActivationMax / amax : 0.0f;
+  }
+}
+
 #ifdef PAGEDSERVE_GROUPED_AVX2
 
-using Lanes = __m256;  // 8 float32 partial sums
-
-inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
-inline Lanes lanes_fma(const float* x, Lanes w, Lanes acc) { return _mm256_fmadd_ps(_mm256_loadu_ps(x), w, acc); }
-inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
-
-inline float reduce(Lanes v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float reduce(__m256 v) {  // reduce_lanes, in registers
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-inline __m256 int8x8_to_float(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+template <int G>
+void quantize_block(const float* x, int16_t* q, float* d, float* sum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(__FLT_MAX__);
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int v = 0; v < G / 8; ++v) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + v * 8), abs_mask);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float inverse;
+  block_scale(_mm_cvtss_f32(m), _mm256_movemask_ps(bad) == 0, d, &inverse);
+  const __m256 inv = _mm256_set1_ps(inverse);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(*d == *d ? -1 : 0));  // a NaN block's q are 0
+  __m256i total = _mm256_setzero_si256();
+  for (int v = 0; v < G / 16; ++v) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + v * 16), inv), keep));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + v * 16 + 8), inv), keep));
+    total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // back in input order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + v * 16), packed);
+  }
+  if (sum != nullptr) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    *sum = *d * static_cast<float>(_mm_cvtsi128_si32(t));
+  }
+}
 
-// group g of row `codes` as w[G / 8], exactly the file's values
-template <int G, bool kFour, bool kZero>
-inline void decode_group(const uint8_t* codes, const float* scale, const float* zero, int64_t g, __m128i table,
-                         Lanes* w) {
+// group g of an output's codes as int16: w[0] inputs 0..15, w[1] inputs 16..31 (G = 32)
+template <int G, bool kFour>
+inline void decode_ints(const uint8_t* codes, int64_t g, __m128i table, __m256i* w) {
   if constexpr (kFour) {
-    static_assert(G == kNibbleGroup, "4-bit codes come in groups of 32");
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_shuffle_epi8(table, _mm_and_si128(bytes, mask));                       // inputs 0..15
-    const __m128i high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));  // 16..31
-    w[0] = int8x8_to_float(low);
-    w[1] = int8x8_to_float(_mm_srli_si128(low, 8));
-    w[2] = int8x8_to_float(high);
-    w[3] = int8x8_to_float(_mm_srli_si128(high, 8));
+    w[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(bytes, mask)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
   } else {
-    for (int v = 0; v < G / 8; ++v) {
-      w[v] = int8x8_to_float(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g * G + v * 8)));
+    for (int v = 0; v < G / 16; ++v) {
+      w[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * G + v * 16)));
     }
   }
-  const __m256 s = _mm256_set1_ps(scale[g]);
-  if constexpr (kZero) {
-    const __m256 z = _mm256_set1_ps(zero[g]);
-    for (int v = 0; v < G / 8; ++v) w[v] = _mm256_fmadd_ps(w[v], s, z);
-  } else {
-    for (int v = 0; v < G / 8; ++v) w[v] = _mm256_mul_ps(w[v], s);
+}
+
+// rows [0, R) of the activations against output n -> out[r * ldo]
+template <int R, int G, bool kFour, bool kZero>
+void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
+  const uint8_t* codes = wt.codes + n * wt.code_stride;
+  const float* scale = wt.scale + n * wt.groups;
+  const __m128i table =
+      kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
+  const int16_t* xq = a.q + row * a.k;
+  const float* xd = a.d + row * a.groups;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  // one group's term for row r: float(isum) * (dw * dx) -> its product (first of a pair) or fma onto `pair`
+  auto term = [&](const __m256i* w, const __m256& dw, int64_t g, int r, const __m256* pair) {
+    const int16_t* x = xq + r * a.k + g * G;
+    __m256i isum = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    if constexpr (G == 32) {
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+    }
+    const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * a.groups + g));
+    return pair == nullptr ? _mm256_mul_ps(_mm256_cvtepi32_ps(isum), s) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *pair);
+  };
+  auto rows = [&](const __m256i* w, int64_t g) {  // group g's term into each row's lanes
+    const __m256 dw = _mm256_set1_ps(scale[g]);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = xq + r * a.k + g * G;
+      __m256i isum = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+      if constexpr (G == 32) {
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+      }
+      const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * a.groups + g));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);
+    }
+  };
+  int64_t g = 0;
+  for (; g < wt.groups; ++g) {
+    __m256i w[G / 16];
+    decode_ints<G, kFour>(codes, g, table, w);
+    rows(w, g);
+  }
+  for (int r = 0; r < R; ++r) {
+    float total = reduce(acc[r]);
+    if constexpr (kZero) {
+      const float* zero = wt.zero + n * wt.groups;
+      const float* sum = a.sum + (row + r) * a.groups;
+      __m256 z = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, z);
+      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
+    }
+    out[r * ldo] = total;
   }
 }
 
-inline __m128i load_table(const Weight& wt, bool four) {
-  return four ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
+// group g of a row as float32 (the unpack): exactly the file's values
+template <int G, bool kFour, bool kZero>
+void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
+  const uint8_t* codes = wt.codes + n * wt.code_stride;
+  const __m128i table =
+      kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
+  __m256i w[G / 16];
+  decode_ints<G, kFour>(codes, g, table, w);
+  const __m256 s = _mm256_set1_ps(wt.scale[n * wt.groups + g]);
+  const __m256 z = _mm256_set1_ps(kZero ? wt.zero[n * wt.groups + g] : 0.0f);
+  for (int v = 0; v < G / 16; ++v) {
+    const __m256i halves[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[v])),
+                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[v], 1))};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 f = _mm256_cvtepi32_ps(halves[h]);
+      _mm256_storeu_ps(out + v * 16 + h * 8, kZero ? _mm256_fmadd_ps(f, s, z) : _mm256_mul_ps(f, s));
+    }
+  }
 }
 
-inline void store_lanes(float* out, Lanes v) { _mm256_storeu_ps(out, v); }
+bool vectorized() { return true; }
 
 #else  // portable: the same arithmetic, lane by lane
 
-struct Lanes {
-  float v[8];
-};
-
-inline Lanes lanes_zero() { return Lanes{}; }
-inline Lanes lanes_fma(const float* x, const Lanes& w, Lanes acc) {
-  for (int l = 0; l < 8; ++l) acc.v[l] = __builtin_fmaf(x[l], w.v[l], acc.v[l]);
-  return acc;
-}
-inline Lanes lanes_load(const float* p) {
-  Lanes out;
-  for (int l = 0; l < 8; ++l) out.v[l] = p[l];
-  return out;
-}
-inline float reduce(const Lanes& a) {
-  return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7]));
-}
-
-using Table = const int8_t*;
-
-template <int G, bool kFour, bool kZero>
-inline void decode_group(const uint8_t* codes, const float* scale, const float* zero, int64_t g, Table table, Lanes* w) {
+template <int G>
+void quantize_block(const float* x, int16_t* q, float* d, float* sum) {
+  float amax = 0.0f;
+  bool finite = true;
   for (int i = 0; i < G; ++i) {
-    int q;
-    if constexpr (kFour) {
-      const uint8_t byte = codes[g * 16 + (i & 15)];
-      q = table[i < 16 ? (byte & 0x0F) : (byte >> 4)];
-    } else {
-      q = static_cast<int8_t>(codes[g * G + i]);
+    const float a = __builtin_fabsf(x[i]);
+    finite = finite && a <= __FLT_MAX__;
+    amax = a > amax ? a : amax;
+  }
+  float inverse;
+  block_scale(amax, finite, d, &inverse);
+  int32_t total = 0;
+  for (int i = 0; i < G; ++i) {
+    const float scaled = finite ? x[i] * inverse : 0.0f;  // a NaN block's q are 0
+    const int32_t v = std::clamp(static_cast<int32_t>(__builtin_nearbyintf(scaled)), -32767, 32767);
+    q[i] = static_cast<int16_t>(v);
+    total += v;
+  }
+  if (sum != nullptr) *sum = *d * static_cast<float>(total);
+}
+
+inline int code_at(const uint8_t* codes, int64_t g, int i, const int8_t* table, bool four, int group) {
+  if (four) {
+    const uint8_t byte = codes[g * 16 + (i & 15)];
+    return table[i < 16 ? (byte & 0x0F) : (byte >> 4)];
+  }
+  return static_cast<int8_t>(codes[g * group + i]);
+}
+
+template <int R, int G, bool kFour, bool kZero>
+void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
+  const uint8_t* codes = wt.codes + n * wt.code_stride;
+  const float* scale = wt.scale + n * wt.groups;
+  for (int r = 0; r < R; ++r) {
+    const int16_t* xq = a.q + (row + r) * a.k;
+    const float* xd = a.d + (row + r) * a.groups;
+    float acc[8] = {};
+    for (int64_t g = 0; g < wt.groups; ++g) {
+      int32_t isum[8] = {};
+      for (int i = 0; i < G; ++i) isum[(i & 15) >> 1] += code_at(codes, g, i, wt.table, kFour, G) * xq[g * G + i];
+      const float s = scale[g] * xd[g];
+      for (int l = 0; l < 8; ++l) acc[l] = __builtin_fmaf(static_cast<float>(isum[l]), s, acc[l]);
     }
-    const float f = static_cast<float>(q);
-    w[i / 8].v[i % 8] = kZero ? __builtin_fmaf(f, scale[g], zero[g]) : f * scale[g];
+    float total = reduce_lanes(acc);
+    if constexpr (kZero) {
+      float lanes[8] = {};
+      total += zero_term_portable(wt.zero + n * wt.groups, a.sum + (row + r) * a.groups, wt.groups, 0, lanes);
+    }
+    out[r * ldo] = total;
   }
 }
 
-inline Table load_table(const Weight& wt, bool) { return wt.table; }
-
-inline void store_lanes(float* out, const Lanes& v) {
-  for (int l = 0; l < 8; ++l) out[l] = v.v[l];
+template <int G, bool kFour, bool kZero>
+void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
+  const uint8_t* codes = wt.codes + n * wt.code_stride;
+  const float s = wt.scale[n * wt.groups + g];
+  for (int i = 0; i < G; ++i) {
+    const float f = static_cast<float>(code_at(codes, g, i, wt.table, kFour, G));
+    out[i] = kZero ? __builtin_fmaf(f, s, wt.zero[n * wt.groups + g]) : f * s;
+  }
 }
+
+bool vectorized() { return false; }
 
 #endif
 
-template <int G, bool kFour, bool kZero>
-void unpack_row(const Weight& wt, int64_t n, float* out) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
-  const float* scale = wt.scale + n * wt.groups;
-  const float* zero = kZero ? wt.zero + n * wt.groups : nullptr;
-  const auto table = load_table(wt, kFour);
-  for (int64_t g = 0; g < wt.groups; ++g) {
-    Lanes w[G / 8];
-    decode_group<G, kFour, kZero>(codes, scale, zero, g, table, w);
-    for (int v = 0; v < G / 8; ++v) store_lanes(out + g * G + v * 8, w[v]);
-  }
-}
-
-// few rows: rows [0, R) of x (stride k) against output n, its weights decoded in registers -> out[r * ldo]
-template <int R, int G, bool kFour, bool kZero>
-void dot_rows(const Weight& wt, int64_t n, const float* x, int64_t k, float* out, int64_t ldo) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
-  const float* scale = wt.scale + n * wt.groups;
-  const float* zero = kZero ? wt.zero + n * wt.groups : nullptr;
-  const auto table = load_table(wt, kFour);
-  Lanes acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = lanes_zero();
-  for (int64_t g = 0; g < wt.groups; ++g) {
-    Lanes w[G / 8];
-    decode_group<G, kFour, kZero>(codes, scale, zero, g, table, w);
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < G / 8; ++v) acc[r] = lanes_fma(x + r * k + g * G + v * 8, w[v], acc[r]);
+// x float32 [M, K] -> its int16 blocks (and their sums when the weight has a zero term)
+template <int G>
+void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum) {
+  const int64_t groups = k / G;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        quantize_block<G>(x + r * k + g * G, q + r * k + g * G, d + r * groups + g,
+                          sum != nullptr ? sum + r * groups + g : nullptr);
+      }
     }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce(acc[r]);
-}
-
-template <int G, bool kFour, bool kZero>
-void few_rows(const Weight& wt, const float* x, int64_t m, int64_t k, float* out, int64_t n_total, int64_t begin,
-              int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    int64_t r = 0;
-    for (; r + 8 <= m; r += 8) dot_rows<8, G, kFour, kZero>(wt, n, x + r * k, k, out + r * n_total + n, n_total);
-    if (m - r >= 4) {
-      dot_rows<4, G, kFour, kZero>(wt, n, x + r * k, k, out + r * n_total + n, n_total);
-      r += 4;
-    }
-    if (m - r >= 2) {
-      dot_rows<2, G, kFour, kZero>(wt, n, x + r * k, k, out + r * n_total + n, n_total);
-      r += 2;
-    }
-    if (m - r >= 1) dot_rows<1, G, kFour, kZero>(wt, n, x + r * k, k, out + r * n_total + n, n_total);
-  }
-}
-
-// many rows: rows [0, R) of x against O decoded weight rows w (stride k) -> out[r * ldo + o]
-template <int R, int O>
-void tile(const float* x, const float* w, int64_t k, float* out, int64_t ldo) {
-  Lanes acc[R][O];
-  for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < O; ++o) acc[r][o] = lanes_zero();
-  }
-  for (int64_t i = 0; i < k; i += 8) {
-    Lanes wv[O];
-    for (int o = 0; o < O; ++o) wv[o] = lanes_load(w + o * k + i);
-    for (int r = 0; r < R; ++r) {
-      for (int o = 0; o < O; ++o) acc[r][o] = lanes_fma(x + r * k + i, wv[o], acc[r][o]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < O; ++o) out[r * ldo + o] = reduce(acc[r][o]);
-  }
-}
-
-template <int O>
-void tile_rows(const float* x, int64_t m, const float* w, int64_t k, float* out, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + 2 <= m; r += 2) tile<2, O>(x + r * k, w, k, out + r * ldo, ldo);
-  if (r < m) tile<1, O>(x + r * k, w, k, out + r * ldo, ldo);
-}
-
-template <int G, bool kFour, bool kZero>
-void many_rows(const Weight& wt, const float* x, int64_t m, int64_t k, float* out, int64_t n_total, int64_t begin,
-               int64_t end) {
-  std::vector<float> scratch(kBlockOutputs * k);  // [kBlockOutputs][k]: the block's weights, decoded
-  for (int64_t n0 = begin; n0 < end; n0 += kBlockOutputs) {
-    const int64_t outputs = std::min(kBlockOutputs, end - n0);
-    for (int64_t o = 0; o < outputs; ++o) unpack_row<G, kFour, kZero>(wt, n0 + o, scratch.data() + o * k);
-    int64_t o = 0;
-    for (; o + 4 <= outputs; o += 4) tile_rows<4>(x, m, scratch.data() + o * k, k, out + n0 + o, n_total);
-    for (; o < outputs; ++o) tile_rows<1>(x, m, scratch.data() + o * k, k, out + n0 + o, n_total);
-  }
+  });
 }
 
 // the weight's kind -> the instance of Kernel<G, kFour, kZero>::run that serves it
@@ -255,15 +322,27 @@ void dispatch(bool four, int64_t group, bool has_zero, Args&&... args) {
 
 template <int G, bool kFour, bool kZero>
 struct MatmulKernel {
-  static void run(const Weight& wt, const float* x, int64_t m, int64_t k, float* out, int64_t n, bool direct) {
+  static void run(const Weight& wt, const Activations& a, int64_t m, float* out, int64_t n) {
     const int64_t blocks = (n + kBlockOutputs - 1) / kBlockOutputs;
     const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
+    const int64_t chunk = std::max<int64_t>(kRowBlock, kRowChunkBytes / (2 * a.k) / kRowBlock * kRowBlock);
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       const int64_t first = begin * kBlockOutputs, last = std::min(n, end * kBlockOutputs);
-      if (direct) {
-        few_rows<G, kFour, kZero>(wt, x, m, k, out, n, first, last);
-      } else {
-        many_rows<G, kFour, kZero>(wt, x, m, k, out, n, first, last);
+      for (int64_t row0 = 0; row0 < m; row0 += chunk) {
+        const int64_t rows_end = std::min(m, row0 + chunk);
+        for (int64_t o = first; o < last; ++o) {
+          int64_t r = row0;
+          for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_rows<kRowBlock, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+          if (rows_end - r >= 4) {
+            dot_rows<4, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+            r += 4;
+          }
+          if (rows_end - r >= 2) {
+            dot_rows<2, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+            r += 2;
+          }
+          if (rows_end - r >= 1) dot_rows<1, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+        }
       }
     });
   }
@@ -273,7 +352,9 @@ template <int G, bool kFour, bool kZero>
 struct UnpackKernel {
   static void run(const Weight& wt, int64_t start, int64_t end, int64_t k, float* out) {
     at::parallel_for(start, end, 16, [&](int64_t begin, int64_t stop) {
-      for (int64_t row = begin; row < stop; ++row) unpack_row<G, kFour, kZero>(wt, row, out + (row - start) * k);
+      for (int64_t row = begin; row < stop; ++row) {
+        for (int64_t g = 0; g < wt.groups; ++g) unpack_group<G, kFour, kZero>(wt, row, g, out + (row - start) * k + g * G);
+      }
     });
   }
 };
@@ -301,17 +382,37 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
                 has_zero ? zero.data_ptr<float>() : nullptr, groups, four ? table.data_ptr<int8_t>() : nullptr};
 }
 
-// direct: -1 picks by the number of rows; 1 / 0 force the few-rows / many-rows loop (the tests)
+// x's int16 blocks (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group, bool with_sum) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(group == 16 || group == 32, "activation blocks of 16 or 32");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group ", group);
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt16));
+  auto d = torch::empty({m, k / group}, x.options());
+  auto sum = with_sum ? torch::empty({m, k / group}, x.options()) : torch::empty({0}, x.options());
+  float* sum_ptr = with_sum ? sum.data_ptr<float>() : nullptr;
+  if (group == 32) {
+    quantize_rows<32>(x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(), sum_ptr);
+  } else {
+    quantize_rows<16>(x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(), sum_ptr);
+  }
+  return {q, d, sum};
+}
+
 torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                             const torch::Tensor& zero, const torch::Tensor& table, int64_t group, int64_t direct) {
+                             const torch::Tensor& zero, const torch::Tensor& table, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   const Weight wt = check_weight(codes, scale, zero, table, group, k);
   const int64_t n = codes.size(0);
   auto out = torch::empty({m, n}, x.options());
-  const bool few = direct < 0 ? m <= kDirectMaxRows : direct > 0;
-  dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, x.data_ptr<float>(), m,
-                         k, out.data_ptr<float>(), n, few);
+  if (m == 0 || n == 0) return out;
+  const auto blocks = quantize_activations(x, group, wt.zero != nullptr);
+  const Activations a{blocks[0].data_ptr<int16_t>(), blocks[1].data_ptr<float>(),
+                      wt.zero != nullptr ? blocks[2].data_ptr<float>() : nullptr, k, k / group};
+  dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, a, m,
+                         out.data_ptr<float>(), n);
   return out;
 }
 
@@ -327,20 +428,14 @@ torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& sc
   return out;
 }
 
-bool vectorized() {
-#ifdef PAGEDSERVE_GROUPED_AVX2
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pagedserve::kReleaseGil;
   m.def("grouped_matmul", &grouped_matmul, kReleaseGil,
-        "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU); direct: -1 auto, 1 few-rows, 0 many-rows loop");
+        "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU), x rounded to int16 per group");
+  m.def("quantize_activations", &quantize_activations, kReleaseGil,
+        "x float32 [M, K] -> (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the AVX2/FMA path");
 }

@@ -1,13 +1,16 @@
 """The grouped-weight matmul (kernels/grouped_matmul.py) equals its float64 reference up to float32
-accumulation, in both of its loops and in its plain C++ build; the two loops agree bit for bit; one
-wrong nibble or one wrong scale is far outside the bound; the unpack gives the reference's values bit
-for bit; the torch path (no C++) agrees too.
+accumulation, in its AVX2 and plain C++ builds alike (to the bit); any split of the rows gives the same
+bits; the activations round to int16 exactly as documented; one wrong nibble, scale or zero is far
+outside the bound; the unpack gives the reference's values bit for bit; the torch path (no C++) agrees.
 
-Bound: the weights are the file's float32 values exactly (one fma per weight, checked by the unpack),
-so the only error is float32 summation: K / 8 terms per lane then a tree of 8 lanes, each step rounded
-to 2^-24 relative, so |out - ref| <= (K / 8 + 3) * 2^-24 * (|x| @ |W|.T) per output (5e-6 of that
-magnitude at K = 576). A wrong nibble moves one product by a whole step of the table, a wrong scale
-(a K-quant's 6-bit sc one off: 1/64) a whole group's 32 products: ~1e-3 of the magnitude and more.
+Bound: the weights are the file's float32 values exactly (checked by the unpack) and the activations
+are their int16 blocks (q d, checked against the torch reference), so ref = (q d) @ W.T in float64 and
+the only error is float32 arithmetic: per group one exact integer sum, one rounded scale product
+(dw d) and one fma into its lane, K / G fmas a lane, a tree of 8 lanes, the zero term's own sum and
+its addition: |out - ref| <= (K / G + 6) * 2^-24 * (|q d| @ (|W - zero| + |zero|).T) per output
+(1.4e-6 of that magnitude at K = 576). A wrong nibble moves one product by a whole step of the table, a
+wrong scale (a K-quant's 6-bit sc one off: 1/64) a whole group's 32 products: ~1e-3 and more. Against x
+unrounded, the rounding adds at most sum_k |W[n, k]| d(k) / 2, d(k) <= 2^-15 of its block's largest |x|.
 """
 
 import pytest
@@ -44,49 +47,100 @@ def _weight(out_features, in_features, four, group, zero, seed):
     return codes, scale, zero, table
 
 
-def _bound(in_features):
-    return (in_features / 8 + 3) * 2**-24
+def _bound(in_features, group):
+    return (in_features / group + 6) * 2**-24
+
+
+def _magnitude(x, weight):
+    """float64 [M, N]: |xr| @ |q d|.T + |xr| @ |zero|.T, xr the activations as the kernel rounds them."""
+    codes, scale, zero, table = weight
+    group = x.shape[1] // scale.shape[1]
+    rounded = grouped_matmul.rounded_activations(x, group).abs()
+    values = grouped_matmul.grouped_values(codes, scale, None, table, dtype=torch.float64).abs()
+    if zero is not None:
+        values = values + zero.double().abs().repeat_interleave(group, dim=1)
+    return rounded @ values.T
 
 
 def _error_ratio(out, x, weight):
-    """max |out - ref| / (|x| @ |W|.T) over the outputs: within _bound(K) when correct."""
-    ref = grouped_matmul.grouped_matmul_reference(x, *weight)
-    magnitude = x.double().abs() @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).abs().T
+    """max |out - ref| / magnitude over the outputs, ref = (x rounded as the kernel does) @ W.T in float64:
+    within _bound(K, G) when correct."""
+    codes, scale, zero, table = weight
+    group = x.shape[1] // scale.shape[1]
+    ref = grouped_matmul.rounded_activations(x, group) @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).T
     assert out.shape == ref.shape and out.dtype == torch.float32
-    return float(((out.double() - ref).abs() / magnitude).max())
+    return float(((out.double() - ref).abs() / _magnitude(x, weight)).max())
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
-@pytest.mark.parametrize("loop", ["few", "many"])
-def test_matches_the_float64_reference(kind, loop):
+def test_matches_the_float64_reference(kind):
     weight = _weight(*kind, seed=kind[0] + kind[1])
     for rows in ROWS:
         x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows))
-        assert _error_ratio(grouped_matmul.grouped_matmul(x, *weight, loop=loop), x, weight) <= _bound(x.shape[1])
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, *weight), x, weight) <= _bound(kind[1], kind[3])
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
-def test_the_two_loops_and_any_row_split_agree_bit_for_bit(kind):
+def test_the_activations_round_as_documented(kind):
+    """The kernel's int16 blocks equal the torch reference's bit for bit (ties to even included), and the
+    whole result stays within the rounding's own bound of x @ W.T with x unrounded: sum |W| d / 2."""
+    group = kind[3]
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(13, kind[1], generator=gen) * torch.logspace(-3, 3, kind[1])  # blocks of very unlike sizes
+    x[2, :group] = 0.0  # an all-zero block
+    q, d = grouped_matmul.quantize_activations(x, group)
+    ref_q, ref_d = grouped_matmul.activation_blocks_reference(x, group)
+    assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
+    assert (q[2, :group] == 0).all() and d[2, 0] == 0
+    ties = torch.tensor([[1.5, 2.5, -0.5] + [0.0] * (group - 4) + [32767.0]])  # max 32767: scaled = x exactly
+    assert grouped_matmul.quantize_activations(ties, group)[0][0, :3].tolist() == [2, 2, 0]
+    weight = _weight(*kind, seed=23)
+    out = grouped_matmul.grouped_matmul(x, *weight).double()
+    values = grouped_matmul.grouped_values(*weight, dtype=torch.float64)
+    half_steps = (d.double() / 2).repeat_interleave(group, dim=1)  # [M, K]
+    slack = half_steps @ values.abs().T + _bound(kind[1], group) * _magnitude(x, weight)
+    assert ((out - x.double() @ values.T).abs() <= slack).all()
+
+
+def test_a_nan_or_infinity_reaches_only_its_own_row():
+    weight = _weight(37, 576, True, 32, True, seed=29)
+    x = torch.randn(4, 576)
+    x[1, 100] = float("nan")
+    x[2, 7] = float("inf")
+    out = grouped_matmul.grouped_matmul(x, *weight)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    assert torch.equal(out[[0, 3]], grouped_matmul.grouped_matmul(x[[0, 3]], *weight))
+    assert torch.equal(grouped_matmul.grouped_matmul(torch.zeros(2, 576), *weight), torch.zeros(2, 37))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_any_row_split_agrees_bit_for_bit(kind):
     weight = _weight(*kind, seed=3)
     x = torch.randn(40, kind[1])
-    few = grouped_matmul.grouped_matmul(x, *weight, loop="few")
-    assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, loop="many"), few)
-    for start, end in ((0, 1), (1, 4), (4, 13), (13, 40)):  # a prefix-cache hit: the last rows alone
-        assert torch.equal(grouped_matmul.grouped_matmul(x[start:end], *weight), few[start:end])
+    whole = grouped_matmul.grouped_matmul(x, *weight)
+    for start, end in ((0, 1), (1, 4), (4, 13), (13, 40), (5, 6)):  # a prefix-cache hit: the last rows alone
+        assert torch.equal(grouped_matmul.grouped_matmul(x[start:end], *weight), whole[start:end])
+    # rows past one L2 chunk (kRowChunkBytes / (2 K) rows) split at a chunk's edge too
+    many = torch.randn(300, kind[1])
+    whole = grouped_matmul.grouped_matmul(many, *weight)
+    assert torch.equal(grouped_matmul.grouped_matmul(many[250:], *weight), whole[250:])
 
 
 def test_one_wrong_nibble_or_scale_fails_the_check():
     weight = _weight(37, 576, True, 32, True, seed=5)
     x = torch.randn(3, 576)
     out = grouped_matmul.grouped_matmul(x, *weight)
-    assert _error_ratio(out, x, weight) <= _bound(x.shape[1])
+    assert _error_ratio(out, x, weight) <= _bound(576, 32)
     codes, scale, zero, table = weight
     nibble = codes.clone()
     nibble[20, 100] ^= 0x01  # one weight one table step off (the smallest step is 11 of 127)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, nibble, scale, zero, table), x, weight) > 10 * _bound(576)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, nibble, scale, zero, table), x, weight) > 10 * _bound(576, 32)
     scaled = scale.clone()
     scaled[11, 7] *= 64 / 63  # one group's scale one step of a 6-bit sc off
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, codes, scaled, zero, table), x, weight) > 10 * _bound(576)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, codes, scaled, zero, table), x, weight) > 10 * _bound(576, 32)
+    shifted = zero.clone()
+    shifted[30, 3] += 0.01  # one group's zero off by a typical zero's size
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, codes, scale, shifted, table), x, weight) > 10 * _bound(576, 32)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
@@ -97,16 +151,19 @@ def test_unpack_gives_the_reference_values_bit_for_bit(kind):
     assert torch.equal(grouped_matmul.grouped_unpack(*weight, 5, 17), values[5:17])
 
 
-@pytest.mark.parametrize("kind", KINDS[:4], ids=lambda k: "x".join(map(str, k)))
-def test_the_plain_cpp_build_agrees(kind):
-    """Built without AVX2/FMA (-mno-avx2 -mno-fma): the portable loops, within the same bound."""
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_the_plain_cpp_build_gives_the_same_bits(kind):
+    """Built without AVX2/FMA (-mno-avx2 -mno-fma): the portable loops compute the same lanes in the same
+    order, so their result is the AVX2 build's to the bit (where this CPU has AVX2; else both are plain)."""
     assert grouped_matmul._extension(portable=True) is not None, "the plain build does not compile here"
     assert not grouped_matmul._extension(portable=True).vectorized()
     weight = _weight(*kind, seed=11)
     x = torch.randn(17, kind[1])
-    few = grouped_matmul.grouped_matmul(x, *weight, loop="few", portable=True)
-    assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, loop="many", portable=True), few)
-    assert _error_ratio(few, x, weight) <= _bound(x.shape[1])
+    plain = grouped_matmul.grouped_matmul(x, *weight, portable=True)
+    assert torch.equal(plain, grouped_matmul.grouped_matmul(x, *weight))
+    assert _error_ratio(plain, x, weight) <= _bound(kind[1], kind[3])
+    assert torch.equal(grouped_matmul.quantize_activations(x, kind[3], portable=True)[0],
+                       grouped_matmul.activation_blocks_reference(x, kind[3])[0])
     assert torch.equal(grouped_matmul.grouped_unpack(*weight, 0, kind[0], portable=True),
                        grouped_matmul.grouped_values(*weight))
 
@@ -115,4 +172,8 @@ def test_the_plain_cpp_build_agrees(kind):
 def test_the_torch_path_agrees(kind):
     weight = _weight(*kind, seed=13)
     x = torch.randn(9, kind[1])
-    assert _error_ratio(grouped_matmul.grouped_matmul_torch(x, *weight), x, weight) <= _bound(x.shape[1])
+    # torch's matmul on x unrounded: float32 summation only, K / 8 terms a lane then a tree of 8
+    ref = grouped_matmul.grouped_matmul_reference(x, *weight)
+    magnitude = x.double().abs() @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).abs().T
+    assert float(((grouped_matmul.grouped_matmul_torch(x, *weight).double() - ref).abs() / magnitude).max()) <= \
+        (kind[1] / 8 + 3) * 2**-24

@@ -3,9 +3,10 @@ their own groups (runtime/model/grouped.py) multiply as dequantize-then-matmul d
 GGUF model in each such type, and one mixing them as Q4_K_M does, loaded with quantization="auto" gives
 the greedy tokens of the same file dequantized to float32 ("none"), and the load log names each type's form.
 
-Matmul bound: the grouped weights are the file's float32 values exactly, so the only error is float32
-summation (tests/kernels/test_grouped_matmul.py derives it): (K / 8 + 3) * 2^-24 of |x| @ |W|.T per
-output, plus the bias's addition (2^-24 of |ref|); a bfloat16 result adds its rounding, 2^-8 of |ref|.
+Matmul bound: the grouped weights are the file's float32 values exactly and x is rounded to the kernel's
+int16 blocks (kernels/grouped_matmul.rounded_activations), so the only error is float32 arithmetic
+(tests/kernels/test_grouped_matmul.py derives it): (K / G + 6) * 2^-24 of |x| @ (|W - zero| + |zero|).T
+per output, plus the bias's addition (2^-24 of |ref|); a bfloat16 result adds its rounding, 2^-8 of |ref|.
 """
 
 import numpy as np
@@ -91,10 +92,18 @@ def test_groups_hold_the_file_values(type_name):
 
 # --- the grouped matmul, as the model calls it -----------------------------------------------
 
-def _check_close(out, x, weight: torch.Tensor, dtype, bias=None):
-    ref = x.double() @ weight.double().T + (0 if bias is None else bias.double())
-    magnitude = x.double().abs() @ weight.double().abs().T
-    bound = (x.shape[1] / 8 + 3) * 2**-24 * magnitude + (2**-8 if dtype == torch.bfloat16 else 2**-24) * ref.abs()
+def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
+    """out within float32 arithmetic of x @ W.T (+ bias) in float64, x rounded to the kernel's int16
+    blocks when `rounded` (the C++ kernel; the torch path multiplies x as it is)."""
+    group = weight.group
+    inputs = grouped_matmul.rounded_activations(x, group) if rounded else x.double()
+    ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
+    values = grouped_matmul.grouped_values(weight.codes, weight.scale, None, weight.table, dtype=torch.float64).abs()
+    if weight.zero is not None:
+        values = values + weight.zero.double().abs().repeat_interleave(group, dim=1)
+    magnitude = inputs.abs() @ values.T
+    steps = (x.shape[1] / group + 6) if rounded else (x.shape[1] / 8 + 3)
+    bound = steps * 2**-24 * magnitude + (2**-8 if dtype == torch.bfloat16 else 2**-24) * ref.abs()
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.all((out.double() - ref).abs() <= bound + 1e-30), float(((out.double() - ref).abs() / magnitude).max())
 
@@ -108,11 +117,10 @@ def test_grouped_matmul_agrees_with_dequantize_then_matmul(type_name, dtype):
     for out_features, in_features in ((37, widths[0]), (130, widths[1])):
         weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(
             _encoded(type_name, out_features, in_features, rng), qtype, out_features, in_features)])
-        dense = weight.dequantize()
         for rows in (1, 3, 9, 17, 40):
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features) if dtype == torch.float32 else None  # bfloat16: one rounding, not two
-            _check_close(weight.linear(x, bias), x.float(), dense, dtype, bias)
+            _check_close(weight.linear(x, bias), x.float(), weight, dtype, bias)
 
 
 def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
@@ -121,7 +129,7 @@ def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(_encoded("Q4_K", 45, 512, rng), ggml_blocks.Q4_K,
                                                                   45, 512)])
     x = torch.randn(5, 512)
-    _check_close(weight.linear(x), x, weight.dequantize(), torch.float32)
+    _check_close(weight.linear(x), x, weight, torch.float32, rounded=False)
 
 
 def test_rows_are_the_file_values():
@@ -142,7 +150,7 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
     assert weight.form == "grouped8" and weight.group == 16
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(3, 256)
-    _check_close(weight.linear(x), x, expected, torch.float32)
+    _check_close(weight.linear(x), x, weight, torch.float32)
 
 
 # --- whole models: auto (each type in its form) gives the tokens of the dequantized file -----------

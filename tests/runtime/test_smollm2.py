@@ -77,10 +77,12 @@ def test_q4_perplexity_within_one_percent_of_float32(dequantized, q4_float32):
 
 
 def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
-    """The prompt's last rows after a hit go through the grouped kernel's few-rows loop, a cold prompt through
-    its many-rows one: those agree bit for bit (tests/kernels/test_grouped_matmul.py). Attention does not quite:
-    torch's CPU flash kernel rounds a row's sums differently by how many query rows share its call (1-3 rows,
-    4-16 and 33 do not agree to the bit on this AVX2 machine), so the logprobs agree to 1e-4, the answer exactly."""
+    """The prompt's last rows after a hit go through the grouped kernel alone, a cold prompt's with the rest:
+    those agree bit for bit (tests/kernels/test_grouped_matmul.py). Attention does not quite: torch's CPU
+    flash kernel rounds a row's sums differently by how many query rows share its call (1-3 rows, 4-16 and
+    33 do not agree to the bit on this AVX2 machine), and the kernel's int16 activations turn such a last-bit
+    difference, where it flips a rounding, into half an int16 step (2^-16 of its block's largest value): so
+    the logprobs agree to 2e-3 (8e-4 measured), the answer exactly."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     for question in QUESTIONS[:2]:
         prompt = _chat(q4_float32, question)
@@ -91,4 +93,4 @@ def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
         assert cached.outputs[0].token_ids == cold.outputs[0].token_ids
         for cached_step, cold_step in zip(cached.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True):
             assert cached_step.keys() == cold_step.keys()
-            assert all(abs(cached_step[t] - cold_step[t]) < 1e-4 for t in cold_step)
+            assert all(abs(cached_step[t] - cold_step[t]) < 2e-3 for t in cold_step)

@@ -162,9 +162,7 @@ def main() -> None:
         for batch in args.batches:
             runs = sorted((profile(name, batch, steps, bandwidth) for _ in range(repeats)), key=lambda r: r["step_ms"])
             rows.append(runs[len(runs) // 2])
-    path = write_result("profile_decode", args.quick, {"machine": machine_info(), "read_bandwidth_gbs": bandwidth,
-                                                        "rows": rows})
-    log(f"wrote {path}")
+    write_result("profile_decode", args.quick, {"machine": machine_info(), "read_bandwidth_gbs": bandwidth, "rows": rows})
     for r in rows:
         print(f"{r['file']:20s} batch {r['batch']:2d} step {r['step_ms']:6.2f} ms  floor {r['floor_ms']:5.2f} ms "
               f"({100 * r['share_of_floor']:3.0f}%)  " + "  ".join(f"{k} {r['parts_ms'][k]:.2f}" for k in PARTS))

@@ -45,12 +45,16 @@ def available() -> bool:
     return _extension() is not None
 
 
+_NO_TABLE = torch.empty(0, dtype=torch.int8)  # the kernel's "none" (made once: a decode step makes ~120 calls)
+_NO_ZERO = torch.empty(0, dtype=torch.float32)
+
+
 def _table(table: torch.Tensor | None) -> torch.Tensor:
-    return table if table is not None else torch.empty(0, dtype=torch.int8)
+    return table if table is not None else _NO_TABLE
 
 
 def _zero(zero: torch.Tensor | None) -> torch.Tensor:
-    return zero if zero is not None else torch.empty(0, dtype=torch.float32)
+    return zero if zero is not None else _NO_ZERO
 
 
 def grouped_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,

@@ -27,7 +27,11 @@
 // grouped_unpack: rows [start, end) of W as float32 (the references, and anything that wants W dense).
 //
 // AVX2 + FMA where the compiler targets it (-march=native): a group's nibbles become int8 through one
-// byte shuffle (pshufb: the 16-entry table), then int16. Elsewhere the same arithmetic in plain C++.
+// byte shuffle (pshufb: the 16-entry table), then int16. Where the table is 16 consecutive integers
+// (Q4_0's -8..7; Q4_1's and Q4_K's 0..15) the nibble itself is the factor (a widening load, a mask,
+// a shift: half the instructions), and table[0] * (each product lane's sum of q), made once per row
+// and group with the activations, is added to the integer sum: the same integers, so the same bits.
+// Elsewhere the same arithmetic in plain C++.
 // No AVX-512 path (none to measure it on yet).
 
 #include <torch/extension.h>
@@ -36,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "bindings.h"
@@ -53,6 +58,10 @@ constexpr int64_t kBlockOutputs = 8;              // outputs per unit of the thr
 constexpr int64_t kRowChunkBytes = 128 * 1024;    // int16 rows run against each output at a time (L2)
 constexpr float kActivationMax = 32767.0f;        // int16 activations: q in [-32767, 32767]
 
+// how a 4-bit code becomes its integer: through the table, or (a table of 16 consecutive integers,
+// as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0]
+enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2 };
+
 struct Weight {
   const uint8_t* codes;  // row n at codes + n * code_stride
   int64_t code_stride;
@@ -60,12 +69,14 @@ struct Weight {
   const float* zero;   // nullptr: none
   int64_t groups;
   const int8_t* table;  // 16 entries (4-bit codes)
+  Nibbles nibbles;      // 4-bit codes: how the vector loop decodes them
 };
 
 struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
   const int16_t* q;   // [M][K]
   const float* d;     // [M][groups]
   const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
+  const int32_t* shift;  // [M][groups][8]: table[0] * (the block's q summed in each product lane); kShifted only
   int64_t k;
   int64_t groups;
 };
@@ -102,7 +113,7 @@ inline float reduce(__m256 v) {  // reduce_lanes, in registers
 }
 
 template <int G>
-void quantize_block(const float* x, int16_t* q, float* d, float* sum) {
+void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* shift, int16_t offset) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 largest = _mm256_set1_ps(__FLT_MAX__);
   __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -132,12 +143,24 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum) {
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
     *sum = *d * static_cast<float>(_mm_cvtsi128_si32(t));
   }
+  if (shift != nullptr) {  // lane l: offset * (q[2l] + q[2l+1] + q[16+2l] + q[17+2l]), the lanes of dot_rows' isum
+    const __m256i c = _mm256_set1_epi16(offset);
+    __m256i lanes = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), c);
+    if constexpr (G == 32) {
+      lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)), c));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(shift), lanes);
+  }
 }
 
 // group g of an output's codes as int16: w[0] inputs 0..15, w[1] inputs 16..31 (G = 32)
-template <int G, bool kFour>
+template <int G, bool kFour, int kNib = kLookup>
 inline void decode_ints(const uint8_t* codes, int64_t g, __m128i table, __m256i* w) {
-  if constexpr (kFour) {
+  if constexpr (kFour && kNib != kLookup) {  // the nibble itself: one widening load, a mask, a shift
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16)));
+    w[0] = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+    w[1] = _mm256_srli_epi16(words, 4);
+  } else if constexpr (kFour) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
     const __m128i mask = _mm_set1_epi8(0x0F);
     w[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(bytes, mask)));
@@ -150,7 +173,7 @@ inline void decode_ints(const uint8_t* codes, int64_t g, __m128i table, __m256i*
 }
 
 // rows [0, R) of the activations against output n -> out[r * ldo]
-template <int R, int G, bool kFour, bool kZero>
+template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
   const uint8_t* codes = wt.codes + n * wt.code_stride;
   const float* scale = wt.scale + n * wt.groups;
@@ -160,16 +183,6 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   const float* xd = a.d + row * a.groups;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  // one group's term for row r: float(isum) * (dw * dx) -> its product (first of a pair) or fma onto `pair`
-  auto term = [&](const __m256i* w, const __m256& dw, int64_t g, int r, const __m256* pair) {
-    const int16_t* x = xq + r * a.k + g * G;
-    __m256i isum = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    if constexpr (G == 32) {
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-    }
-    const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * a.groups + g));
-    return pair == nullptr ? _mm256_mul_ps(_mm256_cvtepi32_ps(isum), s) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *pair);
-  };
   auto rows = [&](const __m256i* w, int64_t g) {  // group g's term into each row's lanes
     const __m256 dw = _mm256_set1_ps(scale[g]);
     for (int r = 0; r < R; ++r) {
@@ -178,6 +191,9 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
       if constexpr (G == 32) {
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
       }
+      if constexpr (kFour && kNib == kShifted) {
+        isum = _mm256_add_epi32(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + ((row + r) * a.groups + g) * 8)));
+      }
       const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * a.groups + g));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);
     }
@@ -185,7 +201,7 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   int64_t g = 0;
   for (; g < wt.groups; ++g) {
     __m256i w[G / 16];
-    decode_ints<G, kFour>(codes, g, table, w);
+    decode_ints<G, kFour, kNib>(codes, g, table, w);
     rows(w, g);
   }
   for (int r = 0; r < R; ++r) {
@@ -229,7 +245,7 @@ bool vectorized() { return true; }
 #else  // portable: the same arithmetic, lane by lane
 
 template <int G>
-void quantize_block(const float* x, int16_t* q, float* d, float* sum) {
+void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* /*shift*/, int16_t /*offset*/) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < G; ++i) {
@@ -257,7 +273,7 @@ inline int code_at(const uint8_t* codes, int64_t g, int i, const int8_t* table, 
   return static_cast<int8_t>(codes[g * group + i]);
 }
 
-template <int R, int G, bool kFour, bool kZero>
+template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>  // kNib: the vector loop's concern
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
   const uint8_t* codes = wt.codes + n * wt.code_stride;
   const float* scale = wt.scale + n * wt.groups;
@@ -294,15 +310,18 @@ bool vectorized() { return false; }
 
 #endif
 
-// x float32 [M, K] -> its int16 blocks (and their sums when the weight has a zero term)
+// x float32 [M, K] -> its int16 blocks (and their sums when the weight has a zero term, and the
+// shift lanes when its nibbles are shifted: the vector loop only)
 template <int G>
-void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum) {
+void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum, int32_t* shift = nullptr,
+                   int16_t offset = 0) {
   const int64_t groups = k / G;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         quantize_block<G>(x + r * k + g * G, q + r * k + g * G, d + r * groups + g,
-                          sum != nullptr ? sum + r * groups + g : nullptr);
+                          sum != nullptr ? sum + r * groups + g : nullptr,
+                          shift != nullptr ? shift + (r * groups + g) * 8 : nullptr, offset);
       }
     }
   });
@@ -323,6 +342,19 @@ void dispatch(bool four, int64_t group, bool has_zero, Args&&... args) {
 template <int G, bool kFour, bool kZero>
 struct MatmulKernel {
   static void run(const Weight& wt, const Activations& a, int64_t m, float* out, int64_t n) {
+    if constexpr (kFour) {
+      switch (wt.nibbles) {
+        case kPlain: return loop<kPlain>(wt, a, m, out, n);
+        case kShifted: return loop<kShifted>(wt, a, m, out, n);
+        default: return loop<kLookup>(wt, a, m, out, n);
+      }
+    } else {
+      loop<kLookup>(wt, a, m, out, n);
+    }
+  }
+
+  template <int kNib>
+  static void loop(const Weight& wt, const Activations& a, int64_t m, float* out, int64_t n) {
     const int64_t blocks = (n + kBlockOutputs - 1) / kBlockOutputs;
     const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
     const int64_t chunk = std::max<int64_t>(kRowBlock, kRowChunkBytes / (2 * a.k) / kRowBlock * kRowBlock);
@@ -332,16 +364,19 @@ struct MatmulKernel {
         const int64_t rows_end = std::min(m, row0 + chunk);
         for (int64_t o = first; o < last; ++o) {
           int64_t r = row0;
-          for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_rows<kRowBlock, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+          // at 4 rows and more a group's decode is shared, and the shift's add per row would cost more than
+          // the table lookup saves: those blocks look the nibbles up (the same integers either way)
+          constexpr int kWide = kNib == kShifted ? kLookup : kNib;
+          for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_rows<kRowBlock, G, kFour, kZero, kWide>(wt, o, a, r, out + r * n + o, n);
           if (rows_end - r >= 4) {
-            dot_rows<4, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+            dot_rows<4, G, kFour, kZero, kWide>(wt, o, a, r, out + r * n + o, n);
             r += 4;
           }
           if (rows_end - r >= 2) {
-            dot_rows<2, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+            dot_rows<2, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
             r += 2;
           }
-          if (rows_end - r >= 1) dot_rows<1, G, kFour, kZero>(wt, o, a, r, out + r * n + o, n);
+          if (rows_end - r >= 1) dot_rows<1, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
         }
       }
     });
@@ -378,8 +413,16 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
               "zero: empty, or contiguous float32 like scale");
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");
+  Nibbles nibbles = kLookup;
+  if (four && vectorized()) {
+    const int8_t* t = table.data_ptr<int8_t>();
+    bool consecutive = true;
+    for (int i = 1; i < 16; ++i) consecutive = consecutive && t[i] == t[0] + i;
+    if (consecutive) nibbles = t[0] == 0 ? kPlain : kShifted;
+  }
   return Weight{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scale.data_ptr<float>(),
-                has_zero ? zero.data_ptr<float>() : nullptr, groups, four ? table.data_ptr<int8_t>() : nullptr};
+                has_zero ? zero.data_ptr<float>() : nullptr, groups, four ? table.data_ptr<int8_t>() : nullptr,
+                nibbles};
 }
 
 // x's int16 blocks (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
@@ -408,9 +451,18 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t n = codes.size(0);
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-  const auto blocks = quantize_activations(x, group, wt.zero != nullptr);
-  const Activations a{blocks[0].data_ptr<int16_t>(), blocks[1].data_ptr<float>(),
-                      wt.zero != nullptr ? blocks[2].data_ptr<float>() : nullptr, k, k / group};
+  const int64_t groups = k / group;
+  std::unique_ptr<int16_t[]> q(new int16_t[m * k]);
+  std::unique_ptr<float[]> d(new float[m * groups]);
+  std::unique_ptr<float[]> sum(wt.zero != nullptr ? new float[m * groups] : nullptr);
+  std::unique_ptr<int32_t[]> shift(wt.nibbles == kShifted ? new int32_t[m * groups * 8] : nullptr);
+  if (group == 32) {
+    quantize_rows<32>(x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
+                      wt.nibbles == kShifted ? wt.table[0] : 0);
+  } else {
+    quantize_rows<16>(x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get());
+  }
+  const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
   dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, a, m,
                          out.data_ptr<float>(), n);
   return out;

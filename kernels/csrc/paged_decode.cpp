@@ -149,30 +149,42 @@ void attend(const scalar_t* __restrict k_base, const scalar_t* __restrict v_base
 // One KV head at a time: its group's query rows and accumulators stay in registers while
 // the chunk's K rows (then V rows) stream past, each loaded once for the whole group.
 
-typedef float vf16 __attribute__((vector_size(64)));      // 16 floats
-typedef uint16_t vh16 __attribute__((vector_size(32)));   // 16 bf16
-typedef uint32_t vu16 __attribute__((vector_size(64)));
+// The lane width is the machine's: 16 floats where AVX-512 is, else 8 (one ymm). A wider GCC vector
+// than the target has is lowered piece by piece, and with a group's queries and accumulators in
+// play it spilled to scalar code on AVX2 (an 18x slower kernel).
+#ifdef __AVX512F__
+constexpr int kL = 16;
+#else
+constexpr int kL = 8;
+#endif
+typedef float vf __attribute__((vector_size(kL * 4)));      // kL floats
+typedef uint16_t vh __attribute__((vector_size(kL * 2)));   // kL bf16
+typedef uint32_t vu __attribute__((vector_size(kL * 4)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
-inline vf16 vload(const float* p) {
-  vf16 v;
+inline vf vload(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vf16 vload(const bf16_bits* p) {
-  vh16 h;
+inline vf vload(const bf16_bits* p) {
+  vh h;
   std::memcpy(&h, p, sizeof(h));
-  const vu16 w = __builtin_convertvector(h, vu16) << 16;
-  vf16 v;
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  vf v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 
-inline float hsum(vf16 v) {
+inline float hsum(vf v) {
+#ifdef __AVX512F__
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vf8 a = v;
+#endif
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -184,28 +196,31 @@ template <typename scalar_t, int kD, int kG>
 void attend_head_chunk(const scalar_t* __restrict k_base, const scalar_t* __restrict v_base,
                        const int64_t* __restrict rows, int64_t n, int64_t kv_off, const float* __restrict q,
                        float* __restrict acc_io, float* __restrict m, float* __restrict l) {
-  constexpr int kV = kD / 16;
-  vf16 qv[kG][kV], acc[kG][kV];
+  constexpr int kV = kD / kL;
+  vf qv[kG][kV], acc[kG][kV];
   alignas(64) float scores[kG][kChunk];
 #pragma GCC unroll 8
   for (int j = 0; j < kG; ++j) {
 #pragma GCC unroll 16
     for (int v = 0; v < kV; ++v) {
-      qv[j][v] = vload(q + j * kD + v * 16);
-      acc[j][v] = vload(acc_io + j * kD + v * 16);
+      qv[j][v] = vload(q + j * kD + v * kL);
+      acc[j][v] = vload(acc_io + j * kD + v * kL);
     }
   }
   for (int64_t t = 0; t < n; ++t) {  // scores[j, t] = q_j . k_t, each k_t loaded once
     const scalar_t* __restrict k = k_base + rows[t] + kv_off;
-    vf16 kv[kV];
+    vf kv[kV];
 #pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) kv[v] = vload(k + v * 16);
+    for (int v = 0; v < kV; ++v) kv[v] = vload(k + v * kL);
 #pragma GCC unroll 8
     for (int j = 0; j < kG; ++j) {
-      vf16 a = qv[j][0] * kv[0];
+      vf a = qv[j][0] * kv[0], b = {};  // two chains (even and odd lanes' vectors): half the fma latency
 #pragma GCC unroll 16
-      for (int v = 1; v < kV; ++v) a += qv[j][v] * kv[v];
-      scores[j][t] = hsum(a);
+      for (int v = 1; v < kV; ++v) {
+        if (v % 2) b += qv[j][v] * kv[v];
+        else a += qv[j][v] * kv[v];
+      }
+      scores[j][t] = hsum(a + b);
     }
   }
 #pragma GCC unroll 8
@@ -229,9 +244,9 @@ void attend_head_chunk(const scalar_t* __restrict k_base, const scalar_t* __rest
   }
   for (int64_t t = 0; t < n; ++t) {  // acc_j += p[j, t] v_t, each v_t loaded once
     const scalar_t* __restrict vr = v_base + rows[t] + kv_off;
-    vf16 vv[kV];
+    vf vv[kV];
 #pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) vv[v] = vload(vr + v * 16);
+    for (int v = 0; v < kV; ++v) vv[v] = vload(vr + v * kL);
 #pragma GCC unroll 8
     for (int j = 0; j < kG; ++j) {
       const float pj = scores[j][t];
@@ -242,7 +257,7 @@ void attend_head_chunk(const scalar_t* __restrict k_base, const scalar_t* __rest
 #pragma GCC unroll 8
   for (int j = 0; j < kG; ++j) {
 #pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) std::memcpy(acc_io + j * kD + v * 16, &acc[j][v], sizeof(vf16));
+    for (int v = 0; v < kV; ++v) std::memcpy(acc_io + j * kD + v * kL, &acc[j][v], sizeof(vf));
   }
 }
 

@@ -24,18 +24,24 @@ def test_the_kernel_builds():
     """The toolchain is part of the test setup (AVX2 or not: the portable loops build anywhere)."""
     assert grouped_matmul.available()
 
-# (out, in, 4-bit codes, group, zero): 32-input groups on K = 576 / 192 (SmolLM2's widths, not multiples of
-# 256), 16-input groups on K-quant widths; outputs not a multiple of the 8-output block
-KINDS = [(37, 576, True, 32, True), (130, 192, True, 32, False), (37, 576, False, 32, True),
-         (61, 192, False, 32, False), (45, 512, False, 16, False), (19, 1536, True, 32, True)]
+# (out, in, codes, group, zero): 32-input groups on K = 576 / 192 (SmolLM2's widths, not multiples of
+# 256), 16-input groups on K-quant widths; outputs not a multiple of the 8-output block. 4-bit codes
+# through each kind of table the vector loop decodes its own way: IQ4_NL's (looked up), Q4_0's -8..7
+# (the nibble, shifted) and Q4_1's / Q4_K's 0..15 (the nibble itself)
+TABLES = {"iq4_nl": [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+          "q4_0": list(range(-8, 8)), "q4_1": list(range(16))}
+KINDS = [(37, 576, "iq4_nl", 32, True), (130, 192, "iq4_nl", 32, False), (37, 576, "int8", 32, True),
+         (61, 192, "int8", 32, False), (45, 512, "int8", 16, False), (19, 1536, "iq4_nl", 32, True),
+         (37, 576, "q4_0", 32, False), (21, 192, "q4_0", 32, True), (37, 576, "q4_1", 32, True),
+         (130, 192, "q4_1", 32, False)]
 ROWS = [1, 2, 3, 7, 8, 9, 17, 40]  # around the 8-row few-rows block, the 2-row tiles and the switch at 8
 
 
-def _weight(out_features, in_features, four, group, zero, seed):
+def _weight(out_features, in_features, code_kind, group, zero, seed):
     gen = torch.Generator().manual_seed(seed)
-    if four:
+    if code_kind in TABLES:
         codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=gen)
-        table = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
+        table = torch.tensor(TABLES[code_kind], dtype=torch.int8)
     else:
         codes = torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8, generator=gen)
         table = None
@@ -103,7 +109,7 @@ def test_the_activations_round_as_documented(kind):
 
 
 def test_a_nan_or_infinity_reaches_only_its_own_row():
-    weight = _weight(37, 576, True, 32, True, seed=29)
+    weight = _weight(37, 576, "iq4_nl", 32, True, seed=29)
     x = torch.randn(4, 576)
     x[1, 100] = float("nan")
     x[2, 7] = float("inf")
@@ -126,14 +132,15 @@ def test_any_row_split_agrees_bit_for_bit(kind):
     assert torch.equal(grouped_matmul.grouped_matmul(many[250:], *weight), whole[250:])
 
 
-def test_one_wrong_nibble_or_scale_fails_the_check():
-    weight = _weight(37, 576, True, 32, True, seed=5)
+@pytest.mark.parametrize("code_kind", ["iq4_nl", "q4_0", "q4_1"])
+def test_one_wrong_nibble_or_scale_fails_the_check(code_kind):
+    weight = _weight(37, 576, code_kind, 32, True, seed=5)
     x = torch.randn(3, 576)
     out = grouped_matmul.grouped_matmul(x, *weight)
     assert _error_ratio(out, x, weight) <= _bound(576, 32)
     codes, scale, zero, table = weight
     nibble = codes.clone()
-    nibble[20, 100] ^= 0x01  # one weight one table step off (the smallest step is 11 of 127)
+    nibble[20, 100] ^= 0x01  # one weight one table step off (IQ4_NL's smallest step is 11 of 127; the others' 1)
     assert _error_ratio(grouped_matmul.grouped_matmul(x, nibble, scale, zero, table), x, weight) > 10 * _bound(576, 32)
     scaled = scale.clone()
     scaled[11, 7] *= 64 / 63  # one group's scale one step of a 6-bit sc off

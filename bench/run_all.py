@@ -51,6 +51,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "gguf_speed": ["bench_gguf_speed.py"],
     "kld": ["bench_kld.py"],
     "profile_speculative": ["profile_speculative.py"],
+    "profile_decode": ["profile_decode.py"],
 }
 
 

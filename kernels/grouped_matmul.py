@@ -97,6 +97,17 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
     return _extension(portable).grouped_matmul(x.contiguous(), codes, scale, _zero(zero), _table(table), group)
 
 
+def kernel_call(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None):
+    """grouped_matmul for one weight, its arguments bound once: x float32 [M, K] -> float32 [M, N]."""
+    run, zero, table, group = _extension().grouped_matmul, _zero(zero), _table(table), codes.shape[1] * (
+        2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return run(x if x.is_contiguous() else x.contiguous(), codes, scale, zero, table, group)
+
+    return call
+
+
 def quantize_activations(x: torch.Tensor, group: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's own int16 blocks of x float32 [M, K]: q int16 [M, K], d float32 [M, K // group]."""
     q, d, _ = _extension(portable).quantize_activations(x.contiguous(), group, False)

@@ -71,6 +71,7 @@ class GroupedWeight(QuantizedWeight):
         self.scale = groups.scale.float().contiguous()  # float32 [out, in // group]
         self.zero = None if groups.zero is None else groups.zero.float().contiguous()
         self.form = "grouped4" if self.table is not None else "grouped8"
+        self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
     @classmethod
     def from_groups(cls, parts: list[Groups]) -> GroupedWeight:
@@ -82,9 +83,13 @@ class GroupedWeight(QuantizedWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype (computed in float32)."""
+        if self._kernel is None:
+            self._kernel = grouped_matmul.kernel_call(*self._args()) if grouped_matmul.available() else False
+        if self._kernel and bias is None and x.dtype == torch.float32:  # a decode step's ~120 calls: nothing else
+            return self._kernel(x)
         inputs = x.float().contiguous()  # [rows, in]
-        if grouped_matmul.available():
-            out = grouped_matmul.grouped_matmul(inputs, *self._args())
+        if self._kernel:
+            out = self._kernel(inputs)
         else:
             out = grouped_matmul.grouped_matmul_torch(inputs, *self._args())
         return self._finish(out, bias, x.dtype)

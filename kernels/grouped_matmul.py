@@ -90,22 +90,23 @@ def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     return torch.cat(parts, dim=1)
 
 
-def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                   table: torch.Tensor | None, portable: bool = False) -> torch.Tensor:
-    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int16 blocks."""
-    group = x.shape[1] // scale.shape[1]
-    return _extension(portable).grouped_matmul(x.contiguous(), codes, scale, _zero(zero), _table(table), group)
-
-
-def kernel_call(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None):
-    """grouped_matmul for one weight, its arguments bound once: x float32 [M, K] -> float32 [M, N]."""
-    run, zero, table, group = _extension().grouped_matmul, _zero(zero), _table(table), codes.shape[1] * (
-        2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
+def kernel_call(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
+                portable: bool = False):
+    """The C++ kernel (needs `available()`) for one weight, its arguments bound once (a decode step makes ~120
+    calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int16 blocks."""
+    run, zero, table = _extension(portable).grouped_matmul, _zero(zero), _table(table)
+    group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return run(x if x.is_contiguous() else x.contiguous(), codes, scale, zero, table, group)
 
     return call
+
+
+def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                   table: torch.Tensor | None, portable: bool = False) -> torch.Tensor:
+    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int16 blocks."""
+    return kernel_call(codes, scale, zero, table, portable)(x)
 
 
 def quantize_activations(x: torch.Tensor, group: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -327,6 +327,16 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, f
   });
 }
 
+// quantize_rows for the group size of the call (32, or 16 for 8-bit codes: no shift lanes there)
+void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum,
+                  int32_t* shift = nullptr, int16_t offset = 0) {
+  if (group == 32) {
+    quantize_rows<32>(x, m, k, q, d, sum, shift, offset);
+  } else {
+    quantize_rows<16>(x, m, k, q, d, sum);
+  }
+}
+
 // the weight's kind -> the instance of Kernel<G, kFour, kZero>::run that serves it
 template <template <int, bool, bool> class Kernel, typename... Args>
 void dispatch(bool four, int64_t group, bool has_zero, Args&&... args) {
@@ -434,12 +444,8 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t 
   auto q = torch::empty({m, k}, x.options().dtype(torch::kInt16));
   auto d = torch::empty({m, k / group}, x.options());
   auto sum = with_sum ? torch::empty({m, k / group}, x.options()) : torch::empty({0}, x.options());
-  float* sum_ptr = with_sum ? sum.data_ptr<float>() : nullptr;
-  if (group == 32) {
-    quantize_rows<32>(x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(), sum_ptr);
-  } else {
-    quantize_rows<16>(x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(), sum_ptr);
-  }
+  quantize_for(group, x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(),
+               with_sum ? sum.data_ptr<float>() : nullptr);
   return {q, d, sum};
 }
 
@@ -456,12 +462,8 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   std::unique_ptr<float[]> d(new float[m * groups]);
   std::unique_ptr<float[]> sum(wt.zero != nullptr ? new float[m * groups] : nullptr);
   std::unique_ptr<int32_t[]> shift(wt.nibbles == kShifted ? new int32_t[m * groups * 8] : nullptr);
-  if (group == 32) {
-    quantize_rows<32>(x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
-                      wt.nibbles == kShifted ? wt.table[0] : 0);
-  } else {
-    quantize_rows<16>(x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get());
-  }
+  quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
+               wt.nibbles == kShifted ? wt.table[0] : 0);
   const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
   dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, a, m,
                          out.data_ptr<float>(), n);

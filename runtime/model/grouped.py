@@ -85,14 +85,13 @@ class GroupedWeight(QuantizedWeight):
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype (computed in float32)."""
         if self._kernel is None:
             self._kernel = grouped_matmul.kernel_call(*self._args()) if grouped_matmul.available() else False
-        if self._kernel and bias is None and x.dtype == torch.float32:  # a decode step's ~120 calls: nothing else
-            return self._kernel(x)
-        inputs = x.float().contiguous()  # [rows, in]
+        inputs = x if x.dtype == torch.float32 else x.float()  # [rows, in]
         if self._kernel:
             out = self._kernel(inputs)
         else:
-            out = grouped_matmul.grouped_matmul_torch(inputs, *self._args())
-        return self._finish(out, bias, x.dtype)
+            out = grouped_matmul.grouped_matmul_torch(inputs.contiguous(), *self._args())
+        # a float32 decode step (~120 calls) returns here: outputs are never padded, nothing to cast or add
+        return out if bias is None and x.dtype == torch.float32 else self._finish(out, bias, x.dtype)
 
     def dequantize(self) -> torch.Tensor:  # float32 [out, in], the file's values
         return grouped_matmul.grouped_values(*self._args())

@@ -64,6 +64,7 @@ class Engine(RequestBuilder):
         self.num_schedulable_blocks = self.num_blocks - self.pinned_block_budget
         self.max_model_len = min(settings.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings, self.num_schedulable_blocks * self.block_size)
+        model.limit_positions(self.num_blocks * self.block_size)  # no position past the KV slots is ever computed
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)

@@ -94,8 +94,11 @@ def _llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:  # float32 [h
     return np.array(factors, dtype=np.float32)
 
 
-def _family_metadata(writer, arch: str, config, rope: dict) -> dict[str, np.ndarray]:
-    """The metadata a family adds (as llama.cpp's converter writes it); returns the extra tensors it needs."""
+def _family_metadata(writer, arch: str, config, rope: dict, omit: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """The metadata a family adds (as llama.cpp's converter writes it); returns the extra tensors it needs.
+
+    `omit`: keys of Gemma's left out (sliding_window, attn_logit_softcapping, final_logit_softcapping), as
+    older or hand-made files do."""
     import gguf
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -103,11 +106,13 @@ def _family_metadata(writer, arch: str, config, rope: dict) -> dict[str, np.ndar
     if arch in ("qwen3", "gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3") and "sliding_window" not in omit:
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        if "attn_logit_softcapping" not in omit:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if "final_logit_softcapping" not in omit:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "gemma3" and rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -127,12 +132,12 @@ def _family_metadata(writer, arch: str, config, rope: dict) -> dict[str, np.ndar
 
 
 def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Path | None, seed: int = 0,
-               drop: tuple[str, ...] = ()) -> Path:
+               drop: tuple[str, ...] = (), omit: tuple[str, ...] = ()) -> Path:
     """Write `model` (a transformers Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Phi-3) as a GGUF file of `arch`.
 
     Matrices take ggml type `type_name`; norms and biases stay F32 (as llama.cpp keeps them).
     `tokenizer_model`: a sentencepiece file for the vocabulary, or None for a file without one.
-    `drop`: GGUF tensor names left out (to make broken files).
+    `drop`: GGUF tensor names left out (to make broken files). `omit`: Gemma metadata keys left out.
     """
     import gguf
 
@@ -150,7 +155,7 @@ def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Pa
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rope goes in the metadata
     writer.add_rope_freq_base(float(rope.get("rope_theta") or config.rope_theta))
     writer.add_vocab_size(config.vocab_size)
-    extra_tensors = _family_metadata(writer, arch, config, rope)
+    extra_tensors = _family_metadata(writer, arch, config, rope, omit)
     if tokenizer_model is not None:
         pieces, scores, types = sentencepiece_vocab(tokenizer_model)
         writer.add_tokenizer_model("llama")

@@ -38,6 +38,8 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # Mistr
 PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows reordered by llama.cpp's converter
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # architecture -> the config's model_type, where they differ
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales these models' attention by hidden / heads
+# what llama.cpp assumes where a Gemma 2 file has no such key (src/models/gemma2.cpp, llama-hparams.h)
+GEMMA2_DEFAULTS = {"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -238,13 +240,18 @@ class GGUFCheckpoint:
             config["attention_bias"] = self.has_tensor("blk.0.attn_q.bias")
         elif arch in GEMMA_27B_LAYERS:
             config["hidden_activation"] = "gelu_pytorch_tanh"
-            config["sliding_window"] = int(key("attention.sliding_window"))
+            # where a file leaves these out, llama.cpp's rules: Gemma 2 windows 4,096 positions and caps scores
+            # at 50 and logits at 30 (its published values); a Gemma 3 file without a window windows no layer
+            window = key("attention.sliding_window", GEMMA2_DEFAULTS["sliding_window"] if arch == "gemma2" else 0)
+            config["sliding_window"] = int(window) if window else None
             config["query_pre_attn_scalar"] = (hidden // num_heads if num_layers == GEMMA_27B_LAYERS[arch]
                                                else head_dim)
             if arch == "gemma2":
-                config["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
-                config["final_logit_softcapping"] = key("final_logit_softcapping", None)
+                for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+                    config[name] = float(key(name, GEMMA2_DEFAULTS[name]))
             else:
+                cap = key("final_logit_softcapping", 0.0)  # 0 or absent: none (llama.cpp's rule)
+                config["final_logit_softcapping"] = float(cap) if cap else None
                 pattern = key("attention.sliding_window_pattern", 6)  # a period, or (newer files) a flag per layer
                 if isinstance(pattern, list):
                     config["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]

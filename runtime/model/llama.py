@@ -170,6 +170,17 @@ class LlamaForCausalLM(nn.Module):
             self.embedding_scale = torch.tensor(self.config.embedding_scale).to(device=device, dtype=dtype)
         return self.eval()
 
+    def limit_positions(self, max_positions: int) -> None:
+        """Keep the rotation tables' first `max_positions` rows only (the engine's: as many as its KV slots).
+
+        Each row depends on its position alone, so the rows kept are unchanged; the rest is memory a
+        128K-context model's tables would hold for positions the KV pages can never hold (Llama 3.2:
+        64 MiB; Gemma 3's two sets: 128 MiB)."""
+        for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):
+            table = getattr(self, name)
+            if table is not None and table.shape[0] > max_positions:
+                setattr(self, name, table[:max_positions].clone())
+
     def pack_linear_weights(self) -> bool:
         """On the CPU, add oneDNN's packed layout of the layers' matmul weights (runtime/model/linear.py).
 

@@ -76,6 +76,36 @@ def test_gguf_family_config_equals_the_folders(random_checkpoints, stories_dir, 
     torch.testing.assert_close(inverse_frequencies(from_file), inverse_frequencies(from_folder), rtol=1e-6, atol=0)
 
 
+GEMMA_KEYS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def test_a_gemma2_file_without_window_or_caps_gets_llama_cpps_defaults(random_checkpoints, stories_dir, tmp_path):
+    """llama.cpp windows a Gemma 2 file that names no window at 4,096 and caps it at 50 / 30 (Gemma 2's
+    published values); with the keys written, the file's own values are read (the test model's differ)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_checkpoints["gemma2"], dtype=torch.float32)
+    bare = GGUFCheckpoint(write_gguf(tmp_path / "bare.gguf", model, "gemma2", "F32", stories_dir / "tokenizer.model",
+                                     omit=GEMMA_KEYS)).model_config()
+    assert (bare.attn_logit_softcap, bare.final_logit_softcap) == (50.0, 30.0)
+    assert bare.layer_windows == tuple(4096 if i % 2 == 0 else None for i in range(bare.num_layers))
+    full = GGUFCheckpoint(write_gguf(tmp_path / "full.gguf", model, "gemma2", "F32",
+                                     stories_dir / "tokenizer.model")).model_config()
+    assert (full.attn_logit_softcap, full.final_logit_softcap, full.window(0)) == (
+        model.config.attn_logit_softcapping, model.config.final_logit_softcapping, model.config.sliding_window)
+    assert (full.attn_logit_softcap, full.window(0)) != (50.0, 4096)
+
+
+def test_a_gemma3_file_without_a_window_windows_no_layer(random_checkpoints, stories_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_checkpoints["gemma3"], dtype=torch.float32)
+    config = GGUFCheckpoint(write_gguf(tmp_path / "bare.gguf", model, "gemma3", "F32", stories_dir / "tokenizer.model",
+                                       omit=("sliding_window",))).model_config()
+    assert config.layer_windows == () and not config.uses_local_rope(0)
+    assert config.final_logit_softcap is None and config.attn_logit_softcap is None
+
+
 # --- files written by llama.cpp's own converter ------------------------------------------------
 
 CONVERTED = ("qwen3", "gemma2", "gemma3-pattern", "phi3-longrope", "llama3-rope")

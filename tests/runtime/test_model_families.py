@@ -83,6 +83,21 @@ def test_gemma3_windowed_layers_keep_their_own_rope_base(random_checkpoints):
     torch.testing.assert_close(local_cos[5, 0], torch.tensor(5.0).cos())  # base 10,000: the first pair turns 1/token
 
 
+def test_the_engine_keeps_rope_rows_for_its_kv_slots_only(random_checkpoints):
+    """A long-context model's tables are cut to the positions the pages can hold; the rows kept are unchanged."""
+    path = random_checkpoints["gemma3"]  # two sets of tables: global and windowed
+    config = load_model_config(path)
+    built = Engine.from_pretrained(path, num_blocks=4, block_size=8)
+    model = built.runner.model
+    slots = 4 * 8
+    if config.max_position_embeddings <= slots:
+        raise AssertionError(f"the checkpoint's {config.max_position_embeddings} positions leave nothing to cut")
+    for table, (full, _) in ((model.rope_cos, rope_cos_sin(config, config.max_position_embeddings)),
+                             (model.local_rope_cos, rope_cos_sin(config, config.max_position_embeddings, local=True))):
+        assert table.shape[0] == slots
+        assert torch.equal(table, full[:slots])
+
+
 def test_gemma2_logprobs_carry_the_final_soft_cap(random_checkpoints):
     """The final soft-cap keeps the argmax (tokens cannot show it); the logprobs must equal transformers'."""
     from transformers import AutoModelForCausalLM

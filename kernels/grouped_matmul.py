@@ -10,6 +10,13 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     scale  float32 [N, K // G]        G = 32 (4-bit codes: always), or 16
     zero   float32 [N, K // G], or None (no zero term at all)
 
+    The quad layout (to_quads; N a multiple of QUAD) keeps the same bytes with the groups of 4
+    outputs side by side, so a decode step's one row reads 4 outputs as one stream of memory:
+    codes [N / 4, K // G, 4, group bytes] and scale [N / 4, K // G, 4]; zero stays [N, K // G].
+    Every function here takes either layout. The kernel's one-row loop over it takes 4 outputs per load
+    of the row's block (two to a register with AVX-512) and prefetches the weight stream: ~2x the row
+    layout's speed at one row on an AMX Xeon (BENCHMARKS.md section 23), to the same bits.
+
     reference  grouped_values (the weight in any float dtype; float32: exactly the file's values),
                grouped_matmul_reference: x @ W.T in float64
     kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int16 per block of G inputs
@@ -30,6 +37,7 @@ import torch
 
 from kernels import cpu_extension
 
+QUAD = 4  # outputs side by side per group in the quad layout
 UNPACK_BLOCK_VALUES = 1 << 21  # weights made at a time by the torch path (8 MiB of float32)
 ACTIVATION_MAX = 32767.0  # the kernel's activations: int16 in [-32767, 32767] per block
 
@@ -57,9 +65,42 @@ def _zero(zero: torch.Tensor | None) -> torch.Tensor:
     return zero if zero is not None else _NO_ZERO
 
 
+def to_quads(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-layout codes [N, bytes] and scale [N, groups] in the quad layout (N a multiple of QUAD)."""
+    n, groups = scale.shape
+    if n % QUAD:
+        raise ValueError(f"the quad layout needs a multiple of {QUAD} outputs, not {n}")
+    quads = codes.view(n // QUAD, QUAD, groups, -1).transpose(1, 2).contiguous()  # [N / 4, groups, 4, bytes]
+    return quads, scale.view(n // QUAD, QUAD, groups).transpose(1, 2).contiguous()  # [N / 4, groups, 4]
+
+
+def to_rows(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scale in the row layout, from either layout (rows come back as they are)."""
+    if codes.dim() == 2:
+        return codes, scale
+    quads, groups = codes.shape[:2]
+    return (codes.transpose(1, 2).reshape(quads * QUAD, -1),  # [N, bytes]
+            scale.transpose(1, 2).reshape(quads * QUAD, groups))  # [N, groups]
+
+
+def select_rows(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale [R, groups]."""
+    if codes.dim() == 2:
+        return codes[ids], scale[ids]
+    return codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1), scale[ids // QUAD, :, ids % QUAD]
+
+
+def _group(codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """G: inputs per group of the weight, in either layout."""
+    if codes.dtype == torch.uint8:
+        return 32
+    return codes.shape[3] if codes.dim() == 4 else codes.shape[1] // scale.shape[1]
+
+
 def grouped_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:  # dtype [N, K]
     """The weight's values computed in `dtype` (float32: one rounding per weight, the file's values exactly)."""
+    codes, scale = to_rows(codes, scale)
     n, groups = scale.shape
     if codes.dtype == torch.uint8:  # nibbles, per 32 inputs: 16 low, then 16 high
         pairs = codes.view(n, groups, 16)
@@ -82,11 +123,12 @@ def grouped_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.
 def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                          table: torch.Tensor | None) -> torch.Tensor:  # float32 [M, N]
     """x float32 [M, K] @ W.T by torch ops: W made in blocks of output rows, each multiplied by torch's matmul."""
-    n, k = scale.shape[0], x.shape[1]
-    step = max(1, UNPACK_BLOCK_VALUES // k)
+    k = x.shape[1]
+    per = QUAD if codes.dim() == 4 else 1  # outputs per first index of codes and scale
+    step = max(1, UNPACK_BLOCK_VALUES // (k * per))  # in first indices
     parts = [x @ grouped_values(codes[start:start + step], scale[start:start + step],
-                                None if zero is None else zero[start:start + step], table).T
-             for start in range(0, n, step)]
+                                None if zero is None else zero[start * per:(start + step) * per], table).T
+             for start in range(0, codes.shape[0], step)]
     return torch.cat(parts, dim=1)
 
 
@@ -94,8 +136,7 @@ def kernel_call(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
                 portable: bool = False):
     """The C++ kernel (needs `available()`) for one weight, its arguments bound once (a decode step makes ~120
     calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int16 blocks."""
-    run, zero, table = _extension(portable).grouped_matmul, _zero(zero), _table(table)
-    group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
+    run, zero, table, group = _extension(portable).grouped_matmul, _zero(zero), _table(table), _group(codes, scale)
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return run(x if x.is_contiguous() else x.contiguous(), codes, scale, zero, table, group)
@@ -143,5 +184,5 @@ def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:  # float64
 def grouped_unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
                    start: int, end: int, portable: bool = False) -> torch.Tensor:  # float32 [end - start, K]
     """Rows [start, end) of W, the file's values, by the C++ kernel (needs `available()`)."""
-    group = (codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1)) // scale.shape[1]
-    return _extension(portable).grouped_unpack(codes, scale, _zero(zero), _table(table), group, start, end)
+    return _extension(portable).grouped_unpack(codes, scale, _zero(zero), _table(table), _group(codes, scale), start,
+                                               end)

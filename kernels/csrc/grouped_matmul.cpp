@@ -32,7 +32,10 @@
 // a shift: half the instructions), and table[0] * (each product lane's sum of q), made once per row
 // and group with the activations, is added to the integer sum: the same integers, so the same bits.
 // Elsewhere the same arithmetic in plain C++.
-// No AVX-512 path (none to measure it on yet).
+// A decode step's one row against a weight in the quad layout (4 outputs' groups side by side: one stream of
+// memory) runs dot_quad: the row's block, d and shift lanes loaded once per group for 4 outputs. With
+// AVX-512 (F + BW) two outputs share a register (VNNI's vpdpwssd where the CPU has it); every lane holds the
+// integers and float steps of dot_rows<1>, so all builds still give the same bits. The row loops stay AVX2.
 
 #include <torch/extension.h>
 
@@ -48,6 +51,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define PAGEDSERVE_GROUPED_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDSERVE_GROUPED_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -55,7 +61,9 @@ namespace {
 constexpr int64_t kNibbleGroup = 32;              // inputs per group of 4-bit codes (16 bytes)
 constexpr int kRowBlock = 8;                      // rows that share one decode of a group
 constexpr int64_t kBlockOutputs = 8;              // outputs per unit of the threads' split
+constexpr int64_t kQuad = 4;                      // outputs interleaved per group in the quad layout
 constexpr int64_t kRowChunkBytes = 128 * 1024;    // int16 rows run against each output at a time (L2)
+constexpr int64_t kPrefetchBytes = 2048;       // how far ahead of the decode loop its weight stream is fetched
 constexpr float kActivationMax = 32767.0f;        // int16 activations: q in [-32767, 32767]
 
 // how a 4-bit code becomes its integer: through the table, or (a table of 16 consecutive integers,
@@ -63,13 +71,20 @@ constexpr float kActivationMax = 32767.0f;        // int16 activations: q in [-3
 enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2 };
 
 struct Weight {
-  const uint8_t* codes;  // row n at codes + n * code_stride
-  int64_t code_stride;
-  const float* scale;  // row n at scale + n * groups
-  const float* zero;   // nullptr: none
+  const uint8_t* codes;  // output n's group g at codes_of(n) + g * code_step()
+  const float* scale;    // output n's group g at scale_of(n)[g * quad]
+  const float* zero;     // [N][groups], row by row (nullptr: none)
   int64_t groups;
+  int64_t group_bytes;  // bytes of one output's group of codes: 16 (4-bit) or G
+  int64_t quad;         // outputs whose groups lie side by side: 1 (rows) or kQuad
   const int8_t* table;  // 16 entries (4-bit codes)
   Nibbles nibbles;      // 4-bit codes: how the vector loop decodes them
+
+  const uint8_t* codes_of(int64_t n) const {
+    return codes + (n / quad) * groups * quad * group_bytes + (n % quad) * group_bytes;
+  }
+  int64_t code_step() const { return quad * group_bytes; }
+  const float* scale_of(int64_t n) const { return scale + (n / quad) * groups * quad + n % quad; }
 };
 
 struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
@@ -155,19 +170,19 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* s
 
 // group g of an output's codes as int16: w[0] inputs 0..15, w[1] inputs 16..31 (G = 32)
 template <int G, bool kFour, int kNib = kLookup>
-inline void decode_ints(const uint8_t* codes, int64_t g, __m128i table, __m256i* w) {
+inline void decode_ints(const uint8_t* group, __m128i table, __m256i* w) {
   if constexpr (kFour && kNib != kLookup) {  // the nibble itself: one widening load, a mask, a shift
-    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16)));
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
     w[0] = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
     w[1] = _mm256_srli_epi16(words, 4);
   } else if constexpr (kFour) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
     const __m128i mask = _mm_set1_epi8(0x0F);
     w[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(bytes, mask)));
     w[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
   } else {
     for (int v = 0; v < G / 16; ++v) {
-      w[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * G + v * 16)));
+      w[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + v * 16)));
     }
   }
 }
@@ -175,8 +190,9 @@ inline void decode_ints(const uint8_t* codes, int64_t g, __m128i table, __m256i*
 // rows [0, R) of the activations against output n -> out[r * ldo]
 template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
-  const float* scale = wt.scale + n * wt.groups;
+  const uint8_t* codes = wt.codes_of(n);
+  const float* scale = wt.scale_of(n);
+  const int64_t step = wt.code_step(), quad = wt.quad;
   const __m128i table =
       kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
   const int16_t* xq = a.q + row * a.k;
@@ -184,7 +200,7 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   auto rows = [&](const __m256i* w, int64_t g) {  // group g's term into each row's lanes
-    const __m256 dw = _mm256_set1_ps(scale[g]);
+    const __m256 dw = _mm256_set1_ps(scale[g * quad]);
     for (int r = 0; r < R; ++r) {
       const int16_t* x = xq + r * a.k + g * G;
       __m256i isum = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -201,7 +217,7 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   int64_t g = 0;
   for (; g < wt.groups; ++g) {
     __m256i w[G / 16];
-    decode_ints<G, kFour, kNib>(codes, g, table, w);
+    decode_ints<G, kFour, kNib>(codes + g * step, table, w);
     rows(w, g);
   }
   for (int r = 0; r < R; ++r) {
@@ -220,15 +236,150 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   }
 }
 
+#ifdef PAGEDSERVE_GROUPED_AVX512
+
+// one row of activations against the kQuad outputs [n, n + kQuad) of the quad layout -> out[0, kQuad),
+// AVX-512: two outputs a register, the low 256 bits output 2p's lanes and the high ones output 2p+1's, each
+// lane the integers and the float steps of dot_rows<1> (so the same bits), with VNNI's fused multiply-add of
+// int16 pairs where the CPU has it (integer sums: exact in any order)
+template <int G, bool kFour, bool kZero, int kNib>
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
+  const __m256i table = kFour ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)))
+                              : _mm256_setzero_si256();
+  const int16_t* xq = a.q + row * a.k;
+  const float* xd = a.d + row * a.groups;
+  const uint8_t* codes = wt.codes_of(n);  // group g: kQuad runs of group_bytes
+  const float* scale = wt.scale_of(n);    // group g: kQuad scales
+  constexpr int64_t kGroupBytes = kFour ? 16 : G;
+  constexpr int kPairs = kQuad / 2;
+  const __m512i pick[kPairs] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
+  __m512 acc[kPairs];
+  for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < wt.groups; ++g) {
+    __m512i x[G / 16];  // the block's inputs 16v..16v+15 in both halves
+    for (int v = 0; v < G / 16; ++v) {
+      x[v] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * G + v * 16)));
+    }
+    __m512i shift = _mm512_setzero_si512();
+    if constexpr (kFour && kNib == kShifted) {
+      shift = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + (row * a.groups + g) * 8)));
+    }
+    // the four outputs' scale times the block's d: the product dot_rows makes, once per output
+    const __m512 sd = _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(scale + g * kQuad), _mm_set1_ps(xd[g])));
+    const uint8_t* group = codes + g * kQuad * kGroupBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scale + g * kQuad + kPrefetchBytes / 4), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int p = 0; p < kPairs; ++p) {
+      const uint8_t* pair = group + 2 * p * kGroupBytes;  // output 2p's group, then output 2p+1's
+      __m512i w[G / 16];
+      if constexpr (kFour && kNib != kLookup) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)));
+        w[0] = _mm512_and_si512(words, _mm512_set1_epi16(0x0F));
+        w[1] = _mm512_srli_epi16(words, 4);
+      } else if constexpr (kFour) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        w[0] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, mask)));
+        w[1] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)));
+      } else {
+        for (int v = 0; v < G / 16; ++v) {  // inputs 16v..16v+15 of both outputs
+          const __m256i bytes = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + G + v * 16)),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + v * 16)));
+          w[v] = _mm512_cvtepi8_epi16(bytes);
+        }
+      }
+      __m512i isum = shift;
+      for (int v = 0; v < G / 16; ++v) {
+#if defined(__AVX512VNNI__)
+        isum = _mm512_dpwssd_epi32(isum, w[v], x[v]);
+#else
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(w[v], x[v]));
+#endif
+      }
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(pick[p], sd), acc[p]);
+    }
+  }
+  for (int o = 0; o < kQuad; ++o) {
+    const __m512 pair = acc[o / 2];
+    float total = reduce(o % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1)) : _mm512_castps512_ps256(pair));
+    if constexpr (kZero) {
+      const float* zero = wt.zero + (n + o) * wt.groups;
+      const float* sum = a.sum + row * a.groups;
+      __m256 z = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, z);
+      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
+    }
+    out[o] = total;
+  }
+}
+
+#else  // AVX2
+
+// one row of activations against the kQuad outputs [n, n + kQuad) of the quad layout -> out[0, kQuad):
+// dot_rows<1> for each of them, the same arithmetic (so the same bits), with the four outputs' group read as
+// one run of bytes, the row's block, its d and its shift lanes loaded once, and four sums in flight
+template <int G, bool kFour, bool kZero, int kNib>
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
+  const __m128i table =
+      kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
+  const int16_t* xq = a.q + row * a.k;
+  const float* xd = a.d + row * a.groups;
+  const uint8_t* codes = wt.codes_of(n);  // group g: kQuad runs of group_bytes
+  const float* scale = wt.scale_of(n);    // group g: kQuad scales
+  constexpr int64_t kGroupBytes = kFour ? 16 : G;
+  __m256 acc[kQuad];
+  for (int o = 0; o < kQuad; ++o) acc[o] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < wt.groups; ++g) {
+    __m256i x[G / 16];
+    for (int v = 0; v < G / 16; ++v) x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * G + v * 16));
+    const __m256 d = _mm256_broadcast_ss(xd + g);
+    __m256i shift = _mm256_setzero_si256();
+    if constexpr (kFour && kNib == kShifted) {
+      shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + (row * a.groups + g) * 8));
+    }
+    const uint8_t* group = codes + g * kQuad * kGroupBytes;
+#pragma GCC unroll 4
+    for (int o = 0; o < kQuad; ++o) {
+      __m256i w[G / 16];
+      decode_ints<G, kFour, kNib>(group + o * kGroupBytes, table, w);
+      __m256i isum = _mm256_madd_epi16(w[0], x[0]);
+      if constexpr (G == 32) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], x[1]));
+      if constexpr (kFour && kNib == kShifted) isum = _mm256_add_epi32(isum, shift);
+      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(scale[g * kQuad + o]), d);
+      acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[o]);
+    }
+  }
+  for (int o = 0; o < kQuad; ++o) {
+    float total = reduce(acc[o]);
+    if constexpr (kZero) {
+      const float* zero = wt.zero + (n + o) * wt.groups;
+      const float* sum = a.sum + row * a.groups;
+      __m256 z = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, z);
+      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
+    }
+    out[o] = total;
+  }
+}
+
+#endif
+
 // group g of a row as float32 (the unpack): exactly the file's values
 template <int G, bool kFour, bool kZero>
 void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
   const __m128i table =
       kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
   __m256i w[G / 16];
-  decode_ints<G, kFour>(codes, g, table, w);
-  const __m256 s = _mm256_set1_ps(wt.scale[n * wt.groups + g]);
+  decode_ints<G, kFour>(wt.codes_of(n) + g * wt.code_step(), table, w);
+  const __m256 s = _mm256_set1_ps(wt.scale_of(n)[g * wt.quad]);
   const __m256 z = _mm256_set1_ps(kZero ? wt.zero[n * wt.groups + g] : 0.0f);
   for (int v = 0; v < G / 16; ++v) {
     const __m256i halves[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[v])),
@@ -265,26 +416,27 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* /
   if (sum != nullptr) *sum = *d * static_cast<float>(total);
 }
 
-inline int code_at(const uint8_t* codes, int64_t g, int i, const int8_t* table, bool four, int group) {
+inline int code_at(const uint8_t* group, int i, const int8_t* table, bool four) {
   if (four) {
-    const uint8_t byte = codes[g * 16 + (i & 15)];
+    const uint8_t byte = group[i & 15];
     return table[i < 16 ? (byte & 0x0F) : (byte >> 4)];
   }
-  return static_cast<int8_t>(codes[g * group + i]);
+  return static_cast<int8_t>(group[i]);
 }
 
 template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>  // kNib: the vector loop's concern
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
-  const float* scale = wt.scale + n * wt.groups;
+  const uint8_t* codes = wt.codes_of(n);
+  const float* scale = wt.scale_of(n);
   for (int r = 0; r < R; ++r) {
     const int16_t* xq = a.q + (row + r) * a.k;
     const float* xd = a.d + (row + r) * a.groups;
     float acc[8] = {};
     for (int64_t g = 0; g < wt.groups; ++g) {
       int32_t isum[8] = {};
-      for (int i = 0; i < G; ++i) isum[(i & 15) >> 1] += code_at(codes, g, i, wt.table, kFour, G) * xq[g * G + i];
-      const float s = scale[g] * xd[g];
+      const uint8_t* group = codes + g * wt.code_step();
+      for (int i = 0; i < G; ++i) isum[(i & 15) >> 1] += code_at(group, i, wt.table, kFour) * xq[g * G + i];
+      const float s = scale[g * wt.quad] * xd[g];
       for (int l = 0; l < 8; ++l) acc[l] = __builtin_fmaf(static_cast<float>(isum[l]), s, acc[l]);
     }
     float total = reduce_lanes(acc);
@@ -296,12 +448,17 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   }
 }
 
+template <int G, bool kFour, bool kZero, int kNib>  // dot_rows<1> for each of the quad's outputs
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
+  for (int64_t o = 0; o < kQuad; ++o) dot_rows<1, G, kFour, kZero, kNib>(wt, n + o, a, row, out + o, 1);
+}
+
 template <int G, bool kFour, bool kZero>
 void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
-  const uint8_t* codes = wt.codes + n * wt.code_stride;
-  const float s = wt.scale[n * wt.groups + g];
+  const uint8_t* group = wt.codes_of(n) + g * wt.code_step();
+  const float s = wt.scale_of(n)[g * wt.quad];
   for (int i = 0; i < G; ++i) {
-    const float f = static_cast<float>(code_at(codes, g, i, wt.table, kFour, G));
+    const float f = static_cast<float>(code_at(group, i, wt.table, kFour));
     out[i] = kZero ? __builtin_fmaf(f, s, wt.zero[n * wt.groups + g]) : f * s;
   }
 }
@@ -370,6 +527,10 @@ struct MatmulKernel {
     const int64_t chunk = std::max<int64_t>(kRowBlock, kRowChunkBytes / (2 * a.k) / kRowBlock * kRowBlock);
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       const int64_t first = begin * kBlockOutputs, last = std::min(n, end * kBlockOutputs);
+      if (m == 1 && wt.quad == kQuad) {  // a decode step's one row, four outputs at a time (first: a multiple of 8)
+        for (int64_t o = first; o < last; o += kQuad) dot_quad<G, kFour, kZero, kNib>(wt, o, a, 0, out + o);
+        return;
+      }
       for (int64_t row0 = 0; row0 < m; row0 += chunk) {
         const int64_t rows_end = std::min(m, row0 + chunk);
         for (int64_t o = first; o < last; ++o) {
@@ -404,23 +565,30 @@ struct UnpackKernel {
   }
 };
 
+// the weight's outputs N: codes [N, K / 2] or [N, K] (rows), or [N / kQuad, K / G, kQuad, group bytes] (quads)
+int64_t outputs_of(const torch::Tensor& codes) { return codes.dim() == 4 ? codes.size(0) * kQuad : codes.size(0); }
+
 Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zero,
                     const torch::Tensor& table, int64_t group, int64_t k) {
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.device().is_cpu(),
-              "codes: contiguous [N, K] or [N, K / 2] on the CPU");
+  TORCH_CHECK((codes.dim() == 2 || codes.dim() == 4) && codes.is_contiguous() && codes.device().is_cpu(),
+              "codes: contiguous [N, K] or [N, K / 2] (rows), or [N / 4, K / G, 4, G or 16] (quads), on the CPU");
   const bool four = codes.scalar_type() == torch::kUInt8;
   TORCH_CHECK(four || codes.scalar_type() == torch::kInt8, "codes: uint8 nibbles or int8");
-  TORCH_CHECK(four ? (codes.size(1) * 2 == k && group == kNibbleGroup)
-                   : (codes.size(1) == k && (group == 16 || group == 32)),
-              "codes [", codes.size(0), ", ", codes.size(1), "] do not fit K = ", k, " in groups of ", group);
+  TORCH_CHECK(four ? group == kNibbleGroup : (group == 16 || group == 32), "4-bit codes come in groups of 32, 8-bit in 16 or 32");
   TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group ", group);
-  const int64_t n = codes.size(0), groups = k / group;
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == n && scale.size(1) == groups,
-              "scale: contiguous float32 [N, K / group]");
+  const int64_t n = outputs_of(codes), groups = k / group, group_bytes = four ? 16 : group;
+  const bool quads = codes.dim() == 4;
+  TORCH_CHECK(quads ? (codes.size(1) == groups && codes.size(2) == kQuad && codes.size(3) == group_bytes)
+                    : codes.size(1) == groups * group_bytes,
+              "codes ", codes.sizes(), " do not fit K = ", k, " in groups of ", group);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+                  (quads ? (scale.dim() == 3 && scale.size(0) * kQuad == n && scale.size(1) == groups && scale.size(2) == kQuad)
+                         : (scale.dim() == 2 && scale.size(0) == n && scale.size(1) == groups)),
+              "scale: contiguous float32 [N, K / group] (rows) or [N / 4, K / group, 4] (quads)");
   const bool has_zero = zero.numel() > 0;
-  TORCH_CHECK(!has_zero || (zero.scalar_type() == torch::kFloat32 && zero.is_contiguous() && zero.sizes() == scale.sizes()),
-              "zero: empty, or contiguous float32 like scale");
+  TORCH_CHECK(!has_zero || (zero.scalar_type() == torch::kFloat32 && zero.is_contiguous() && zero.dim() == 2 &&
+                            zero.size(0) == n && zero.size(1) == groups),
+              "zero: empty, or contiguous float32 [N, K / group]");
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");
   Nibbles nibbles = kLookup;
@@ -430,9 +598,9 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
     for (int i = 1; i < 16; ++i) consecutive = consecutive && t[i] == t[0] + i;
     if (consecutive) nibbles = t[0] == 0 ? kPlain : kShifted;
   }
-  return Weight{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scale.data_ptr<float>(),
-                has_zero ? zero.data_ptr<float>() : nullptr, groups, four ? table.data_ptr<int8_t>() : nullptr,
-                nibbles};
+  return Weight{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
+                has_zero ? zero.data_ptr<float>() : nullptr, groups, group_bytes, quads ? kQuad : 1,
+                four ? table.data_ptr<int8_t>() : nullptr, nibbles};
 }
 
 // x's int16 blocks (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
@@ -454,7 +622,7 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   const Weight wt = check_weight(codes, scale, zero, table, group, k);
-  const int64_t n = codes.size(0);
+  const int64_t n = outputs_of(codes);
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const int64_t groups = k / group;
@@ -472,10 +640,10 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
 
 torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zero,
                              const torch::Tensor& table, int64_t group, int64_t start, int64_t end) {
-  TORCH_CHECK(scale.dim() == 2, "scale: [N, K / group]");
+  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 4, K / group, 4]");
   const int64_t k = scale.size(1) * group;
   const Weight wt = check_weight(codes, scale, zero, table, group, k);
-  TORCH_CHECK(0 <= start && start <= end && end <= codes.size(0), "rows [", start, ", ", end, ") out of range");
+  TORCH_CHECK(0 <= start && start <= end && end <= outputs_of(codes), "rows [", start, ", ", end, ") out of range");
   auto out = torch::empty({end - start, k}, scale.options());
   dispatch<UnpackKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, start, end, k,
                          out.data_ptr<float>());

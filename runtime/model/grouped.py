@@ -69,6 +69,8 @@ class GroupedWeight(QuantizedWeight):
         else:
             self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
         self.scale = groups.scale.float().contiguous()  # float32 [out, in // group]
+        if out_features % grouped_matmul.QUAD == 0:  # a decode step reads 4 outputs as one stream
+            self.codes, self.scale = grouped_matmul.to_quads(self.codes, self.scale)
         self.zero = None if groups.zero is None else groups.zero.float().contiguous()
         self.form = "grouped4" if self.table is not None else "grouped8"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
@@ -100,7 +102,8 @@ class GroupedWeight(QuantizedWeight):
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
         ids = ids.reshape(-1).cpu()
         zero = None if self.zero is None else self.zero[ids]
-        return grouped_matmul.grouped_values(self.codes[ids], self.scale[ids], zero, self.table).to(dtype)
+        codes, scale = grouped_matmul.select_rows(self.codes, self.scale, ids)
+        return grouped_matmul.grouped_values(codes, scale, zero, self.table).to(dtype)
 
     def nbytes(self) -> int:
         return self.codes.numel() + (self.scale.numel() + (0 if self.zero is None else self.zero.numel())) * 4

@@ -184,3 +184,43 @@ def test_the_torch_path_agrees(kind):
     magnitude = x.double().abs() @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).abs().T
     assert float(((grouped_matmul.grouped_matmul_torch(x, *weight).double() - ref).abs() / magnitude).max()) <= \
         (kind[1] / 8 + 3) * 2**-24
+
+
+# every kind of KINDS again with a multiple of 4 outputs (and 8-output blocks split unevenly between threads)
+QUAD_KINDS = [(36, 576, "iq4_nl", 32, True), (132, 192, "q4_0", 32, False), (44, 576, "int8", 32, True),
+              (20, 512, "int8", 16, False), (40, 576, "q4_1", 32, True), (64, 192, "q4_0", 32, True)]
+
+
+@pytest.mark.parametrize("kind", QUAD_KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_the_quad_layout_gives_the_row_layouts_bits(kind):
+    """The same bytes with 4 outputs' groups side by side: one row (the decode loop of 4 outputs at once)
+    and many rows (the row loops) give the row layout's bits, in both builds; the layout converts both ways."""
+    codes, scale, zero, table = weight = _weight(*kind, seed=31)
+    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
+    quads = (quad_codes, quad_scale, zero, table)
+    back = grouped_matmul.to_rows(quad_codes, quad_scale)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scale)
+    ids = torch.tensor([kind[0] - 1, 0, 5, 6, 5])
+    picked = grouped_matmul.select_rows(quad_codes, quad_scale, ids)
+    assert torch.equal(picked[0], codes[ids]) and torch.equal(picked[1], scale[ids])
+    for rows in ROWS:
+        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 1))
+        out = grouped_matmul.grouped_matmul(x, *quads)
+        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight))
+        assert torch.equal(grouped_matmul.grouped_matmul(x, *quads, portable=True), out)
+        assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
+    assert torch.equal(grouped_matmul.grouped_unpack(*quads, 3, kind[0] - 2), grouped_matmul.grouped_values(*weight)[3:-2])
+    assert torch.equal(grouped_matmul.grouped_values(*quads), grouped_matmul.grouped_values(*weight))
+    x = torch.randn(3, kind[1])
+    assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *quads), grouped_matmul.grouped_matmul_torch(x, *weight))
+
+
+def test_a_wrong_nibble_in_the_quad_layout_fails_the_check():
+    codes, scale, zero, table = weight = _weight(40, 576, "q4_0", 32, False, seed=37)
+    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
+    x = torch.randn(1, 576)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, weight) <= \
+        _bound(576, 32)
+    quad_codes[2, 5, 3, 7] ^= 0x10  # output 11's group 5: one high nibble one step off
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, weight) > \
+        10 * _bound(576, 32)

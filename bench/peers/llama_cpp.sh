@@ -25,8 +25,17 @@ if [ ! -d "$src" ]; then
     mv "$staging/llama_cpp_python-$version" "$root/" && rm -rf "$staging"
 fi
 if [ "$source_only" = 1 ]; then echo "$src"; exit 0; fi
+# On a CPU with AMX this llama.cpp's AMX matmul (built by -march=native) crashes llama-server at its first
+# batch (SIGSEGV in ggml_backend_amx_mul_mat, seen on a Xeon with amx_int8, 2026-12-05): there it is built for
+# the same CPU's AVX-512 (F, BW, VBMI, VNNI, BF16) and AVX-VNNI instead, its fastest kernels that run
+arch=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    arch=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+          -DGGML_AVX_VNNI=ON)
+    echo "llama.cpp: AMX here; building for AVX-512 without AMX" >&2
+fi
 echo "llama.cpp: building llama-server (~6 min)" >&2
-cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${arch[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
 cmake --build "$src/build" --target llama-server -j "$(nproc)" >&2
 echo "$bin"

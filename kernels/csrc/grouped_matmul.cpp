@@ -238,12 +238,13 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
 
 #ifdef PAGEDSERVE_GROUPED_AVX512
 
-// one row of activations against the kQuad outputs [n, n + kQuad) of the quad layout -> out[0, kQuad),
-// AVX-512: two outputs a register, the low 256 bits output 2p's lanes and the high ones output 2p+1's, each
-// lane the integers and the float steps of dot_rows<1> (so the same bits), with VNNI's fused multiply-add of
-// int16 pairs where the CPU has it (integer sums: exact in any order)
-template <int G, bool kFour, bool kZero, int kNib>
-void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
+// rows [0, R) of the activations against the kQuad outputs [n, n + kQuad) of the quad layout ->
+// out[r * ldo + o], AVX-512: two outputs a register, the low 256 bits output 2p's lanes and the high ones
+// output 2p+1's, each lane the integers and the float steps of dot_rows<1> (so the same bits), with VNNI's
+// fused multiply-add of int16 pairs where the CPU has it (integer sums: exact in any order). The four
+// outputs' codes are decoded once per group for all R rows.
+template <int R, int G, bool kFour, bool kZero, int kNib>
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
   const __m256i table = kFour ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)))
                               : _mm256_setzero_si256();
   const int16_t* xq = a.q + row * a.k;
@@ -254,77 +255,96 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   constexpr int kPairs = kQuad / 2;
   const __m512i pick[kPairs] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                 _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
-  __m512 acc[kPairs];
-  for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
+  __m512 acc[R][kPairs];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < kPairs; ++p) acc[r][p] = _mm512_setzero_ps();
+  }
   for (int64_t g = 0; g < wt.groups; ++g) {
-    __m512i x[G / 16];  // the block's inputs 16v..16v+15 in both halves
-    for (int v = 0; v < G / 16; ++v) {
-      x[v] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * G + v * 16)));
-    }
-    __m512i shift = _mm512_setzero_si512();
-    if constexpr (kFour && kNib == kShifted) {
-      shift = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + (row * a.groups + g) * 8)));
-    }
-    // the four outputs' scale times the block's d: the product dot_rows makes, once per output
-    const __m512 sd = _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(scale + g * kQuad), _mm_set1_ps(xd[g])));
     const uint8_t* group = codes + g * kQuad * kGroupBytes;
     _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(scale + g * kQuad + kPrefetchBytes / 4), _MM_HINT_T0);
+    __m512i w[kPairs][G / 16];  // pair p: output 2p's inputs 16v..16v+15, then output 2p+1's
+    __m512 pair_scale[kPairs];  // the pair's scales, each in its output's 8 lanes
+    const __m512 scales = _mm512_castps128_ps512(_mm_loadu_ps(scale + g * kQuad));
 #pragma GCC unroll 2
     for (int p = 0; p < kPairs; ++p) {
       const uint8_t* pair = group + 2 * p * kGroupBytes;  // output 2p's group, then output 2p+1's
-      __m512i w[G / 16];
+      pair_scale[p] = _mm512_permutexvar_ps(pick[p], scales);
       if constexpr (kFour && kNib != kLookup) {
         const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)));
-        w[0] = _mm512_and_si512(words, _mm512_set1_epi16(0x0F));
-        w[1] = _mm512_srli_epi16(words, 4);
+        w[p][0] = _mm512_and_si512(words, _mm512_set1_epi16(0x0F));
+        w[p][1] = _mm512_srli_epi16(words, 4);
       } else if constexpr (kFour) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
         const __m256i mask = _mm256_set1_epi8(0x0F);
-        w[0] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, mask)));
-        w[1] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)));
+        w[p][0] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, mask)));
+        w[p][1] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)));
       } else {
-        for (int v = 0; v < G / 16; ++v) {  // inputs 16v..16v+15 of both outputs
+        for (int v = 0; v < G / 16; ++v) {
           const __m256i bytes = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + G + v * 16)),
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + v * 16)));
-          w[v] = _mm512_cvtepi8_epi16(bytes);
+          w[p][v] = _mm512_cvtepi8_epi16(bytes);
         }
       }
-      __m512i isum = shift;
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i x[G / 16];  // the row's block, inputs 16v..16v+15 in both halves
       for (int v = 0; v < G / 16; ++v) {
-#if defined(__AVX512VNNI__)
-        isum = _mm512_dpwssd_epi32(isum, w[v], x[v]);
-#else
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(w[v], x[v]));
-#endif
+        x[v] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.k + g * G + v * 16)));
       }
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(pick[p], sd), acc[p]);
+      __m512i shift = _mm512_setzero_si512();
+      if constexpr (kFour && kNib == kShifted) {
+        shift = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + ((row + r) * a.groups + g) * 8)));
+      }
+      const __m512 d = _mm512_set1_ps(xd[r * a.groups + g]);
+#pragma GCC unroll 2
+      for (int p = 0; p < kPairs; ++p) {
+        __m512i isum = shift;
+        for (int v = 0; v < G / 16; ++v) {
+#if defined(__AVX512VNNI__)
+          isum = _mm512_dpwssd_epi32(isum, w[p][v], x[v]);
+#else
+          isum = _mm512_add_epi32(isum, _mm512_madd_epi16(w[p][v], x[v]));
+#endif
+        }
+        // scale * d: the product dot_rows makes
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(pair_scale[p], d), acc[r][p]);
+      }
     }
   }
-  for (int o = 0; o < kQuad; ++o) {
-    const __m512 pair = acc[o / 2];
-    float total = reduce(o % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1)) : _mm512_castps512_ps256(pair));
-    if constexpr (kZero) {
-      const float* zero = wt.zero + (n + o) * wt.groups;
-      const float* sum = a.sum + row * a.groups;
-      __m256 z = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
-      float lanes[8];
-      _mm256_storeu_ps(lanes, z);
-      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < kQuad; ++o) {
+      const __m512 pair = acc[r][o / 2];
+      float total = reduce(o % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))
+                                 : _mm512_castps512_ps256(pair));
+      if constexpr (kZero) {
+        const float* zero = wt.zero + (n + o) * wt.groups;
+        const float* sum = a.sum + (row + r) * a.groups;
+        __m256 z = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, z);
+        total += zero_term_portable(zero, sum, wt.groups, g, lanes);
+      }
+      out[r * ldo + o] = total;
     }
-    out[o] = total;
   }
 }
 
+constexpr bool kQuadRows = true;  // dot_quad serves any row count
+
 #else  // AVX2
+
+constexpr bool kQuadRows = false;  // dot_quad serves one row (R = 1); more rows take dot_rows
 
 // one row of activations against the kQuad outputs [n, n + kQuad) of the quad layout -> out[0, kQuad):
 // dot_rows<1> for each of them, the same arithmetic (so the same bits), with the four outputs' group read as
 // one run of bytes, the row's block, its d and its shift lanes loaded once, and four sums in flight
-template <int G, bool kFour, bool kZero, int kNib>
-void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
+template <int R, int G, bool kFour, bool kZero, int kNib>
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t /*ldo*/) {
+  static_assert(R == 1, "the AVX2 quad loop serves one row");
   const __m128i table =
       kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
   const int16_t* xq = a.q + row * a.k;
@@ -448,9 +468,11 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   }
 }
 
-template <int G, bool kFour, bool kZero, int kNib>  // dot_rows<1> for each of the quad's outputs
-void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out) {
-  for (int64_t o = 0; o < kQuad; ++o) dot_rows<1, G, kFour, kZero, kNib>(wt, n + o, a, row, out + o, 1);
+constexpr bool kQuadRows = false;  // dot_quad serves one row (R = 1); more rows take dot_rows
+
+template <int R, int G, bool kFour, bool kZero, int kNib>  // dot_rows<R> for each of the quad's outputs
+void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
+  for (int64_t o = 0; o < kQuad; ++o) dot_rows<R, G, kFour, kZero, kNib>(wt, n + o, a, row, out + o, ldo);
 }
 
 template <int G, bool kFour, bool kZero>
@@ -528,8 +550,29 @@ struct MatmulKernel {
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       const int64_t first = begin * kBlockOutputs, last = std::min(n, end * kBlockOutputs);
       if (m == 1 && wt.quad == kQuad) {  // a decode step's one row, four outputs at a time (first: a multiple of 8)
-        for (int64_t o = first; o < last; o += kQuad) dot_quad<G, kFour, kZero, kNib>(wt, o, a, 0, out + o);
+        for (int64_t o = first; o < last; o += kQuad) dot_quad<1, G, kFour, kZero, kNib>(wt, o, a, 0, out + o, n);
         return;
+      }
+      if constexpr (kQuadRows) {
+        if (wt.quad == kQuad) {  // blocks of up to 8 rows against four outputs, in chunks of rows that stay in L2
+          for (int64_t row0 = 0; row0 < m; row0 += chunk) {
+            const int64_t rows_end = std::min(m, row0 + chunk);
+            for (int64_t o = first; o < last; o += kQuad) {
+              int64_t r = row0;
+              for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_quad<kRowBlock, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+              if (rows_end - r >= 4) {
+                dot_quad<4, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+                r += 4;
+              }
+              if (rows_end - r >= 2) {
+                dot_quad<2, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+                r += 2;
+              }
+              if (rows_end - r >= 1) dot_quad<1, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+            }
+          }
+          return;
+        }
       }
       for (int64_t row0 = 0; row0 < m; row0 += chunk) {
         const int64_t rows_end = std::min(m, row0 + chunk);

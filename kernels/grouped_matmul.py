@@ -10,9 +10,15 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     scale  float32 [N, K // G]        G = 32 (4-bit codes: always), or 16
     zero   float32 [N, K // G], or None (no zero term at all)
 
+    A scale or zero may instead be Factored, as the K-quants store them: int8 [N, K // G] times a
+    float32 unit per run of P groups, units [N, K // (G P)], P a multiple of 8 (Q4_K: d * sc, 8 groups
+    of 32 to a unit). The product is exact in float32, so both forms give the same values; the
+    factored one takes 8 + 32 / P bits a group instead of 32 (Q4_K: 4.75 bits a weight, not 6).
+
     The quad layout (to_quads; N a multiple of QUAD) keeps the same bytes with the groups of 4
     outputs side by side, so a decode step's one row reads 4 outputs as one stream of memory:
-    codes [N / 4, K // G, 4, group bytes] and scale [N / 4, K // G, 4]; zero stays [N, K // G].
+    codes [N / 4, K // G, 4, group bytes] and scale [N / 4, K // G, 4] (a Factored one's units
+    [N / 4, K // (G P), 4]); zero stays [N, K // G].
     Every function here takes either layout. The kernel's one-row loop over it takes 4 outputs per load
     of the row's block (two to a register with AVX-512) and prefetches the weight stream: ~2x the row
     layout's speed at one row on an AMX Xeon (BENCHMARKS.md section 23), to the same bits.
@@ -32,6 +38,7 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -54,53 +61,119 @@ def available() -> bool:
 
 
 _NO_TABLE = torch.empty(0, dtype=torch.int8)  # the kernel's "none" (made once: a decode step makes ~120 calls)
-_NO_ZERO = torch.empty(0, dtype=torch.float32)
+_NONE = torch.empty(0, dtype=torch.float32)  # no zero, or no units
 
 
 def _table(table: torch.Tensor | None) -> torch.Tensor:
     return table if table is not None else _NO_TABLE
 
 
-def _zero(zero: torch.Tensor | None) -> torch.Tensor:
-    return zero if zero is not None else _NO_ZERO
+class Factored(NamedTuple):
+    """Group scales (or zeros) as int8 times a float32 unit per `per_unit` groups, in a weight's layout."""
+    ints: torch.Tensor  # int8 [N, groups] (rows) or [N / 4, groups, 4] (quads)
+    units: torch.Tensor  # float32 [N, groups // per_unit] or [N / 4, groups // per_unit, 4]
+
+    @property
+    def per_unit(self) -> int:
+        return self.ints.shape[1] // self.units.shape[1]
+
+    def floats(self) -> torch.Tensor:  # float32, shaped as ints: each value exactly int * unit
+        return self.ints.float() * self.units.repeat_interleave(self.per_unit, dim=1)
+
+    def map(self, fn) -> Factored:  # fn applied to both (a layout change or a selection along the outputs)
+        return Factored(fn(self.ints), fn(self.units))
+
+    def nbytes(self) -> int:
+        return self.ints.numel() + 4 * self.units.numel()
 
 
-def to_quads(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+Scales = torch.Tensor | Factored  # a weight's scales or zeros: float32 per group, or factored
+
+
+def factor(ints: torch.Tensor, units: torch.Tensor) -> Factored:
+    """A Factored from int8-valued ints [N, groups] and float32 units [N, groups // P] (P a multiple of 8)."""
+    ints = ints.to(torch.int8).contiguous()
+    units = units.float().contiguous()
+    if units.shape[0] != ints.shape[0] or ints.shape[1] % units.shape[1] or (ints.shape[1] // units.shape[1]) % 8:
+        raise ValueError(f"factored scales: {tuple(ints.shape)} ints need units of one per 8k groups, "
+                         f"got {tuple(units.shape)}")
+    return Factored(ints, units)
+
+
+def floats(scale: Scales | None) -> torch.Tensor | None:
+    """Scales or zeros as float32 in their layout (a Factored one multiplied out: exact)."""
+    return scale.floats() if isinstance(scale, Factored) else scale
+
+
+def scales_nbytes(scale: Scales | None) -> int:
+    if scale is None:
+        return 0
+    return scale.nbytes() if isinstance(scale, Factored) else 4 * scale.numel()
+
+
+def _quads_of(values: torch.Tensor) -> torch.Tensor:  # [N, count] -> [N / 4, count, 4]
+    n, count = values.shape
+    return values.view(n // QUAD, QUAD, count).transpose(1, 2).contiguous()
+
+
+def _rows_of(values: torch.Tensor) -> torch.Tensor:  # [N / 4, count, 4] -> [N, count]
+    quads, count = values.shape[:2]
+    return values.transpose(1, 2).reshape(quads * QUAD, count)
+
+
+def to_quads(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
     """Row-layout codes [N, bytes] and scale [N, groups] in the quad layout (N a multiple of QUAD)."""
-    n, groups = scale.shape
+    n, groups = _shape(scale)
     if n % QUAD:
         raise ValueError(f"the quad layout needs a multiple of {QUAD} outputs, not {n}")
     quads = codes.view(n // QUAD, QUAD, groups, -1).transpose(1, 2).contiguous()  # [N / 4, groups, 4, bytes]
-    return quads, scale.view(n // QUAD, QUAD, groups).transpose(1, 2).contiguous()  # [N / 4, groups, 4]
+    return quads, scale.map(_quads_of) if isinstance(scale, Factored) else _quads_of(scale)
 
 
-def to_rows(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def to_rows(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
     """Codes and scale in the row layout, from either layout (rows come back as they are)."""
     if codes.dim() == 2:
         return codes, scale
-    quads, groups = codes.shape[:2]
+    quads = codes.shape[0]
     return (codes.transpose(1, 2).reshape(quads * QUAD, -1),  # [N, bytes]
-            scale.transpose(1, 2).reshape(quads * QUAD, groups))  # [N, groups]
+            scale.map(_rows_of) if isinstance(scale, Factored) else _rows_of(scale))  # [N, groups]
 
 
-def select_rows(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select_rows(codes: torch.Tensor, scale: Scales, ids: torch.Tensor) -> tuple[torch.Tensor, Scales]:
     """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale [R, groups]."""
     if codes.dim() == 2:
-        return codes[ids], scale[ids]
-    return codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1), scale[ids // QUAD, :, ids % QUAD]
+        pick = lambda values: values[ids]  # noqa: E731
+        return codes[ids], scale.map(pick) if isinstance(scale, Factored) else pick(scale)
+    pick = lambda values: values[ids // QUAD, :, ids % QUAD]  # noqa: E731
+    return codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1), scale.map(pick) if isinstance(scale, Factored) \
+        else pick(scale)
 
 
-def _group(codes: torch.Tensor, scale: torch.Tensor) -> int:
+def _shape(scale: Scales) -> tuple[int, int]:
+    """(N, groups) of scales in the row layout."""
+    values = scale.ints if isinstance(scale, Factored) else scale
+    return (values.shape[0] * QUAD if values.dim() == 3 else values.shape[0]), values.shape[1]
+
+
+def _group(codes: torch.Tensor, scale: Scales) -> int:
     """G: inputs per group of the weight, in either layout."""
     if codes.dtype == torch.uint8:
         return 32
-    return codes.shape[3] if codes.dim() == 4 else codes.shape[1] // scale.shape[1]
+    return codes.shape[3] if codes.dim() == 4 else codes.shape[1] // _shape(scale)[1]
 
 
-def grouped_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
+def _kernel_scales(scale: Scales | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, units) as the C++ kernel takes them: float32 and no units, int8 and units, or none."""
+    if scale is None:
+        return _NONE, _NONE
+    return (scale.ints, scale.units) if isinstance(scale, Factored) else (scale, _NONE)
+
+
+def grouped_values(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:  # dtype [N, K]
     """The weight's values computed in `dtype` (float32: one rounding per weight, the file's values exactly)."""
     codes, scale = to_rows(codes, scale)
+    scale, zero = floats(scale), floats(zero)
     n, groups = scale.shape
     if codes.dtype == torch.uint8:  # nibbles, per 32 inputs: 16 low, then 16 high
         pairs = codes.view(n, groups, 16)
@@ -114,15 +187,16 @@ def grouped_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return values.view(n, -1)
 
 
-def grouped_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+def grouped_matmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Scales | None,
                              table: torch.Tensor | None) -> torch.Tensor:  # float64 [M, N]
     """x [M, K] @ W.T in float64, W the file's float32 values (exact in float64)."""
     return x.double() @ grouped_values(codes, scale, zero, table).double().T
 
 
-def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Scales | None,
                          table: torch.Tensor | None) -> torch.Tensor:  # float32 [M, N]
     """x float32 [M, K] @ W.T by torch ops: W made in blocks of output rows, each multiplied by torch's matmul."""
+    scale, zero = floats(scale), floats(zero)
     k = x.shape[1]
     per = QUAD if codes.dim() == 4 else 1  # outputs per first index of codes and scale
     step = max(1, UNPACK_BLOCK_VALUES // (k * per))  # in first indices
@@ -132,19 +206,21 @@ def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     return torch.cat(parts, dim=1)
 
 
-def kernel_call(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
+def kernel_call(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
                 portable: bool = False):
     """The C++ kernel (needs `available()`) for one weight, its arguments bound once (a decode step makes ~120
     calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int16 blocks."""
-    run, zero, table, group = _extension(portable).grouped_matmul, _zero(zero), _table(table), _group(codes, scale)
+    run, table, group = _extension(portable).grouped_matmul, _table(table), _group(codes, scale)
+    (scale, scale_units), (zero, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        return run(x if x.is_contiguous() else x.contiguous(), codes, scale, zero, table, group)
+        return run(x if x.is_contiguous() else x.contiguous(), codes, scale, scale_units, zero, zero_units, table,
+                   group)
 
     return call
 
 
-def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Scales | None,
                    table: torch.Tensor | None, portable: bool = False) -> torch.Tensor:
     """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int16 blocks."""
     return kernel_call(codes, scale, zero, table, portable)(x)
@@ -181,8 +257,9 @@ def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:  # float64
     return (q.double().reshape(m, k // group, group) * d.double()[..., None]).reshape(m, k)
 
 
-def grouped_unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, table: torch.Tensor | None,
+def grouped_unpack(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
                    start: int, end: int, portable: bool = False) -> torch.Tensor:  # float32 [end - start, K]
     """Rows [start, end) of W, the file's values, by the C++ kernel (needs `available()`)."""
-    return _extension(portable).grouped_unpack(codes, scale, _zero(zero), _table(table), _group(codes, scale), start,
-                                               end)
+    (scale_values, scale_units), (zero_values, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
+    return _extension(portable).grouped_unpack(codes, scale_values, scale_units, zero_values, zero_units,
+                                               _table(table), _group(codes, scale), start, end)

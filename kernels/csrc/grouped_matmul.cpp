@@ -32,10 +32,11 @@
 // a shift: half the instructions), and table[0] * (each product lane's sum of q), made once per row
 // and group with the activations, is added to the integer sum: the same integers, so the same bits.
 // Elsewhere the same arithmetic in plain C++.
-// A decode step's one row against a weight in the quad layout (4 outputs' groups side by side: one stream of
-// memory) runs dot_quad: the row's block, d and shift lanes loaded once per group for 4 outputs. With
-// AVX-512 (F + BW) two outputs share a register (VNNI's vpdpwssd where the CPU has it); every lane holds the
-// integers and float steps of dot_rows<1>, so all builds still give the same bits. The row loops stay AVX2.
+// A weight in the quad layout (4 outputs' groups side by side: one stream of memory) runs dot_quad: each
+// row's block, d and shift lanes loaded once per group for 4 outputs. With AVX-512 (F + BW) two outputs
+// share a register (VNNI's vpdpwssd where the CPU has it) and a block of up to 8 rows shares each group's
+// decoded codes; AVX2 and plain builds run dot_quad for one row and the row loops past it. Every lane holds
+// the integers and float steps of dot_rows, so all builds still give the same bits.
 
 #include <torch/extension.h>
 
@@ -70,10 +71,74 @@ constexpr float kActivationMax = 32767.0f;        // int16 activations: q in [-3
 // as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0]
 enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2 };
 
+// A weight's scales, or its zeros, in one of two forms: float32 per group, or factored as the K-quants
+// store them, an int8 per group times a float32 unit per run of `per_unit` groups (Q4_K's d * sc: an
+// 11-bit f16 times a 6-bit integer). The product is exact in float32, so both forms give the same floats.
+struct GroupScales {
+  const float* floats;  // output n's group g at [at(n) + g * quad] (nullptr: factored)
+  const int8_t* ints;   // factored: the same place
+  const float* units;   // factored: output n's unit u at [unit_at(n) + u * quad]
+  int64_t groups, units_per_row, per_unit, quad;
+
+  int64_t at(int64_t n) const { return (n / quad) * groups * quad + n % quad; }
+  int64_t unit_at(int64_t n) const { return (n / quad) * units_per_row * quad + n % quad; }
+  float value(int64_t n, int64_t g) const {  // output n's group g
+    if (floats != nullptr) return floats[at(n) + g * quad];
+    return units[unit_at(n) + (g / per_unit) * quad] * static_cast<float>(ints[at(n) + g * quad]);
+  }
+};
+
+// output n's scales group after group from group 0 (the loops' order: no division per group)
+class ScaleWalk {
+ public:
+  ScaleWalk(const GroupScales& s, int64_t n)
+      : floats_(s.floats != nullptr ? s.floats + s.at(n) : nullptr),
+        ints_(s.ints != nullptr ? s.ints + s.at(n) : nullptr),
+        units_(s.units != nullptr ? s.units + s.unit_at(n) : nullptr),
+        quad_(s.quad),
+        per_unit_(s.per_unit) {}
+
+  float next() {  // the next group's scale
+    if (floats_ != nullptr) {
+      const float v = *floats_;
+      floats_ += quad_;
+      return v;
+    }
+    const float v = *units_ * static_cast<float>(*ints_);
+    ints_ += quad_;
+    step_unit();
+    return v;
+  }
+
+  const float* floats() const { return floats_; }  // where the next group's scale lies (float32 form)
+  const int8_t* ints() const { return ints_; }      // (factored form) its int, and its unit
+  const float* unit() const { return units_; }
+  void advance() {  // past one group, having read it through the pointers above
+    if (floats_ != nullptr) {
+      floats_ += quad_;
+    } else {
+      ints_ += quad_;
+      step_unit();
+    }
+  }
+
+ private:
+  void step_unit() {
+    if (++in_unit_ == per_unit_) {
+      in_unit_ = 0;
+      units_ += quad_;
+    }
+  }
+  const float* floats_;
+  const int8_t* ints_;
+  const float* units_;
+  int64_t quad_, per_unit_, in_unit_ = 0;
+};
+
 struct Weight {
   const uint8_t* codes;  // output n's group g at codes_of(n) + g * code_step()
-  const float* scale;    // output n's group g at scale_of(n)[g * quad]
-  const float* zero;     // [N][groups], row by row (nullptr: none)
+  GroupScales scale;     // output n's group g: scale.value(n, g)
+  GroupScales zero;      // row by row (quad 1); zero.floats and zero.ints nullptr: none
   int64_t groups;
   int64_t group_bytes;  // bytes of one output's group of codes: 16 (4-bit) or G
   int64_t quad;         // outputs whose groups lie side by side: 1 (rows) or kQuad
@@ -84,7 +149,7 @@ struct Weight {
     return codes + (n / quad) * groups * quad * group_bytes + (n % quad) * group_bytes;
   }
   int64_t code_step() const { return quad * group_bytes; }
-  const float* scale_of(int64_t n) const { return scale + (n / quad) * groups * quad + n % quad; }
+  bool has_zero() const { return zero.floats != nullptr || zero.ints != nullptr; }
 };
 
 struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
@@ -101,9 +166,10 @@ inline float reduce_lanes(const float* a) {
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// the zero term of one (row, output): lane l sums zero[g] * sum[g] over g = l mod 8, in increasing g
-inline float zero_term_portable(const float* zero, const float* sum, int64_t groups, int64_t g, float* lanes) {
-  for (; g < groups; ++g) lanes[g & 7] = __builtin_fmaf(zero[g], sum[g], lanes[g & 7]);
+// the zero term of one (row, output n): lane l sums zero[g] * sum[g] over g = l mod 8, in increasing g, from
+// group g on (`walk` standing at g)
+inline float zero_term_portable(ScaleWalk& walk, int64_t groups, const float* sum, int64_t g, float* lanes) {
+  for (; g < groups; ++g) lanes[g & 7] = __builtin_fmaf(walk.next(), sum[g], lanes[g & 7]);
   return reduce_lanes(lanes);
 }
 
@@ -125,6 +191,47 @@ inline float reduce(__m256 v) {  // reduce_lanes, in registers
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// the zero term of one (row, output n): zero_term_portable's lanes, 8 groups an fma (a factored zero made
+// exactly in float32 first: per_unit is a multiple of 8, so 8 groups share one unit)
+inline float zero_term(const GroupScales& zero, int64_t n, const float* sum) {
+  __m256 z = _mm256_setzero_ps();
+  float lanes[8];
+  if (zero.floats != nullptr) {
+    const float* row = zero.floats + zero.at(n);  // row by row: quad 1
+    int64_t g = 0;
+    for (; g + 8 <= zero.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(row + g), _mm256_loadu_ps(sum + g), z);
+    _mm256_storeu_ps(lanes, z);
+    for (; g < zero.groups; ++g) lanes[g & 7] = __builtin_fmaf(row[g], sum[g], lanes[g & 7]);
+    return reduce_lanes(lanes);
+  }
+  const int8_t* row = zero.ints + zero.at(n);  // groups: whole runs of 8 (check_scales), so no tail
+  const float* unit = zero.units + zero.unit_at(n);
+  for (int64_t g = 0, in_unit = 0; g < zero.groups; g += 8) {
+    const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g)));
+    z = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(*unit)), _mm256_loadu_ps(sum + g), z);
+    if ((in_unit += 8) == zero.per_unit) {
+      in_unit = 0;
+      ++unit;
+    }
+  }
+  _mm256_storeu_ps(lanes, z);
+  return reduce_lanes(lanes);
+}
+
+// the next group's scales of the kQuad outputs of a quad (4 floats, exactly scale.value(n + o, g)), `walk` moved on
+inline __m128 quad_scales(ScaleWalk& walk) {
+  __m128 out;
+  if (walk.floats() != nullptr) {
+    out = _mm_loadu_ps(walk.floats());
+  } else {
+    int32_t four;
+    __builtin_memcpy(&four, walk.ints(), 4);
+    out = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))), _mm_loadu_ps(walk.unit()));
+  }
+  walk.advance();
+  return out;
 }
 
 template <int G>
@@ -191,16 +298,16 @@ inline void decode_ints(const uint8_t* group, __m128i table, __m256i* w) {
 template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
   const uint8_t* codes = wt.codes_of(n);
-  const float* scale = wt.scale_of(n);
-  const int64_t step = wt.code_step(), quad = wt.quad;
+  const int64_t step = wt.code_step();
   const __m128i table =
       kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
   const int16_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  ScaleWalk scales(wt.scale, n);
   auto rows = [&](const __m256i* w, int64_t g) {  // group g's term into each row's lanes
-    const __m256 dw = _mm256_set1_ps(scale[g * quad]);
+    const __m256 dw = _mm256_set1_ps(scales.next());
     for (int r = 0; r < R; ++r) {
       const int16_t* x = xq + r * a.k + g * G;
       __m256i isum = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -222,16 +329,7 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   }
   for (int r = 0; r < R; ++r) {
     float total = reduce(acc[r]);
-    if constexpr (kZero) {
-      const float* zero = wt.zero + n * wt.groups;
-      const float* sum = a.sum + (row + r) * a.groups;
-      __m256 z = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
-      float lanes[8];
-      _mm256_storeu_ps(lanes, z);
-      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
-    }
+    if constexpr (kZero) total += zero_term(wt.zero, n, a.sum + (row + r) * a.groups);
     out[r * ldo] = total;
   }
 }
@@ -250,7 +348,6 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   const int16_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   const uint8_t* codes = wt.codes_of(n);  // group g: kQuad runs of group_bytes
-  const float* scale = wt.scale_of(n);    // group g: kQuad scales
   constexpr int64_t kGroupBytes = kFour ? 16 : G;
   constexpr int kPairs = kQuad / 2;
   const __m512i pick[kPairs] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -259,13 +356,18 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < kPairs; ++p) acc[r][p] = _mm512_setzero_ps();
   }
+  ScaleWalk walk(wt.scale, n);
   for (int64_t g = 0; g < wt.groups; ++g) {
     const uint8_t* group = codes + g * kQuad * kGroupBytes;
     _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scale + g * kQuad + kPrefetchBytes / 4), _MM_HINT_T0);
+    if (walk.floats() != nullptr) {  // the scales' stream, as far ahead in groups as the codes'
+      _mm_prefetch(reinterpret_cast<const char*>(walk.floats() + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(walk.ints() + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
+    }
     __m512i w[kPairs][G / 16];  // pair p: output 2p's inputs 16v..16v+15, then output 2p+1's
     __m512 pair_scale[kPairs];  // the pair's scales, each in its output's 8 lanes
-    const __m512 scales = _mm512_castps128_ps512(_mm_loadu_ps(scale + g * kQuad));
+    const __m512 scales = _mm512_castps128_ps512(quad_scales(walk));
 #pragma GCC unroll 2
     for (int p = 0; p < kPairs; ++p) {
       const uint8_t* pair = group + 2 * p * kGroupBytes;  // output 2p's group, then output 2p+1's
@@ -318,16 +420,7 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
       const __m512 pair = acc[r][o / 2];
       float total = reduce(o % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))
                                  : _mm512_castps512_ps256(pair));
-      if constexpr (kZero) {
-        const float* zero = wt.zero + (n + o) * wt.groups;
-        const float* sum = a.sum + (row + r) * a.groups;
-        __m256 z = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
-        float lanes[8];
-        _mm256_storeu_ps(lanes, z);
-        total += zero_term_portable(zero, sum, wt.groups, g, lanes);
-      }
+      if constexpr (kZero) total += zero_term(wt.zero, n + o, a.sum + (row + r) * a.groups);
       out[r * ldo + o] = total;
     }
   }
@@ -350,10 +443,10 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   const int16_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   const uint8_t* codes = wt.codes_of(n);  // group g: kQuad runs of group_bytes
-  const float* scale = wt.scale_of(n);    // group g: kQuad scales
   constexpr int64_t kGroupBytes = kFour ? 16 : G;
   __m256 acc[kQuad];
   for (int o = 0; o < kQuad; ++o) acc[o] = _mm256_setzero_ps();
+  ScaleWalk walk(wt.scale, n);
   for (int64_t g = 0; g < wt.groups; ++g) {
     __m256i x[G / 16];
     for (int v = 0; v < G / 16; ++v) x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * G + v * 16));
@@ -363,6 +456,8 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
       shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.shift + (row * a.groups + g) * 8));
     }
     const uint8_t* group = codes + g * kQuad * kGroupBytes;
+    float scales[kQuad];
+    _mm_storeu_ps(scales, quad_scales(walk));
 #pragma GCC unroll 4
     for (int o = 0; o < kQuad; ++o) {
       __m256i w[G / 16];
@@ -370,22 +465,13 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
       __m256i isum = _mm256_madd_epi16(w[0], x[0]);
       if constexpr (G == 32) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(w[1], x[1]));
       if constexpr (kFour && kNib == kShifted) isum = _mm256_add_epi32(isum, shift);
-      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(scale[g * kQuad + o]), d);
+      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(scales[o]), d);
       acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[o]);
     }
   }
   for (int o = 0; o < kQuad; ++o) {
     float total = reduce(acc[o]);
-    if constexpr (kZero) {
-      const float* zero = wt.zero + (n + o) * wt.groups;
-      const float* sum = a.sum + row * a.groups;
-      __m256 z = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= wt.groups; g += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(sum + g), z);
-      float lanes[8];
-      _mm256_storeu_ps(lanes, z);
-      total += zero_term_portable(zero, sum, wt.groups, g, lanes);
-    }
+    if constexpr (kZero) total += zero_term(wt.zero, n + o, a.sum + row * a.groups);
     out[o] = total;
   }
 }
@@ -399,8 +485,8 @@ void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
       kFour ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(wt.table)) : _mm_setzero_si128();
   __m256i w[G / 16];
   decode_ints<G, kFour>(wt.codes_of(n) + g * wt.code_step(), table, w);
-  const __m256 s = _mm256_set1_ps(wt.scale_of(n)[g * wt.quad]);
-  const __m256 z = _mm256_set1_ps(kZero ? wt.zero[n * wt.groups + g] : 0.0f);
+  const __m256 s = _mm256_set1_ps(wt.scale.value(n, g));
+  const __m256 z = _mm256_set1_ps(kZero ? wt.zero.value(n, g) : 0.0f);
   for (int v = 0; v < G / 16; ++v) {
     const __m256i halves[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[v])),
                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[v], 1))};
@@ -447,22 +533,23 @@ inline int code_at(const uint8_t* group, int i, const int8_t* table, bool four) 
 template <int R, int G, bool kFour, bool kZero, int kNib = kLookup>  // kNib: the vector loop's concern
 void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, float* out, int64_t ldo) {
   const uint8_t* codes = wt.codes_of(n);
-  const float* scale = wt.scale_of(n);
   for (int r = 0; r < R; ++r) {
     const int16_t* xq = a.q + (row + r) * a.k;
     const float* xd = a.d + (row + r) * a.groups;
     float acc[8] = {};
+    ScaleWalk scales(wt.scale, n);
     for (int64_t g = 0; g < wt.groups; ++g) {
       int32_t isum[8] = {};
       const uint8_t* group = codes + g * wt.code_step();
       for (int i = 0; i < G; ++i) isum[(i & 15) >> 1] += code_at(group, i, wt.table, kFour) * xq[g * G + i];
-      const float s = scale[g * wt.quad] * xd[g];
+      const float s = scales.next() * xd[g];
       for (int l = 0; l < 8; ++l) acc[l] = __builtin_fmaf(static_cast<float>(isum[l]), s, acc[l]);
     }
     float total = reduce_lanes(acc);
     if constexpr (kZero) {
       float lanes[8] = {};
-      total += zero_term_portable(wt.zero + n * wt.groups, a.sum + (row + r) * a.groups, wt.groups, 0, lanes);
+      ScaleWalk zeros(wt.zero, n);
+      total += zero_term_portable(zeros, wt.groups, a.sum + (row + r) * a.groups, 0, lanes);
     }
     out[r * ldo] = total;
   }
@@ -478,10 +565,10 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
 template <int G, bool kFour, bool kZero>
 void unpack_group(const Weight& wt, int64_t n, int64_t g, float* out) {
   const uint8_t* group = wt.codes_of(n) + g * wt.code_step();
-  const float s = wt.scale_of(n)[g * wt.quad];
+  const float s = wt.scale.value(n, g);
   for (int i = 0; i < G; ++i) {
     const float f = static_cast<float>(code_at(group, i, wt.table, kFour));
-    out[i] = kZero ? __builtin_fmaf(f, s, wt.zero[n * wt.groups + g]) : f * s;
+    out[i] = kZero ? __builtin_fmaf(f, s, wt.zero.value(n, g)) : f * s;
   }
 }
 
@@ -611,8 +698,33 @@ struct UnpackKernel {
 // the weight's outputs N: codes [N, K / 2] or [N, K] (rows), or [N / kQuad, K / G, kQuad, group bytes] (quads)
 int64_t outputs_of(const torch::Tensor& codes) { return codes.dim() == 4 ? codes.size(0) * kQuad : codes.size(0); }
 
-Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zero,
-                    const torch::Tensor& table, int64_t group, int64_t k) {
+// scale (or zero): float32 in the weight's layout, or int8 in it with `units` float32 [.., groups / per_unit, ..]
+// beside it (factored); `what` names it in errors. quad: kQuad (the quad layout: [N / 4, groups, 4]) or 1 ([N, groups])
+GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units, const char* what, int64_t n,
+                         int64_t groups, int64_t quad) {
+  const bool factored = values.scalar_type() == torch::kInt8;
+  TORCH_CHECK(factored || values.scalar_type() == torch::kFloat32, what, ": float32, or int8 with its units");
+  const auto fits = [&](const torch::Tensor& t, int64_t count) {
+    return t.is_contiguous() && t.device().is_cpu() &&
+           (quad == kQuad ? (t.dim() == 3 && t.size(0) * kQuad == n && t.size(1) == count && t.size(2) == kQuad)
+                          : (t.dim() == 2 && t.size(0) == n && t.size(1) == count));
+  };
+  TORCH_CHECK(fits(values, groups), what, ": contiguous [N, K / group] (rows) or [N / 4, K / group, 4] (quads), "
+              "got ", values.sizes());
+  if (!factored) {
+    TORCH_CHECK(units.numel() == 0, what, ": float32 values take no units");
+    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, groups, 0, 1, quad};
+  }
+  TORCH_CHECK(units.scalar_type() == torch::kFloat32 && units.dim() == values.dim(), what, "'s units: float32");
+  const int64_t count = units.size(1);
+  TORCH_CHECK(count > 0 && groups % count == 0 && (groups / count) % 8 == 0 && fits(units, count), what,
+              "'s units: one per 8k groups, shaped as its values, got ", units.sizes(), " for ", groups, " groups");
+  return GroupScales{nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, count, groups / count, quad};
+}
+
+Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
+                    const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
+                    int64_t group, int64_t k) {
   TORCH_CHECK((codes.dim() == 2 || codes.dim() == 4) && codes.is_contiguous() && codes.device().is_cpu(),
               "codes: contiguous [N, K] or [N, K / 2] (rows), or [N / 4, K / G, 4, G or 16] (quads), on the CPU");
   const bool four = codes.scalar_type() == torch::kUInt8;
@@ -624,14 +736,9 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
   TORCH_CHECK(quads ? (codes.size(1) == groups && codes.size(2) == kQuad && codes.size(3) == group_bytes)
                     : codes.size(1) == groups * group_bytes,
               "codes ", codes.sizes(), " do not fit K = ", k, " in groups of ", group);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
-                  (quads ? (scale.dim() == 3 && scale.size(0) * kQuad == n && scale.size(1) == groups && scale.size(2) == kQuad)
-                         : (scale.dim() == 2 && scale.size(0) == n && scale.size(1) == groups)),
-              "scale: contiguous float32 [N, K / group] (rows) or [N / 4, K / group, 4] (quads)");
-  const bool has_zero = zero.numel() > 0;
-  TORCH_CHECK(!has_zero || (zero.scalar_type() == torch::kFloat32 && zero.is_contiguous() && zero.dim() == 2 &&
-                            zero.size(0) == n && zero.size(1) == groups),
-              "zero: empty, or contiguous float32 [N, K / group]");
+  const GroupScales scales = check_scales(scale, scale_units, "scale", n, groups, quads ? kQuad : 1);
+  GroupScales zeros{nullptr, nullptr, nullptr, groups, 0, 1, 1};
+  if (zero.numel() > 0) zeros = check_scales(zero, zero_units, "zero", n, groups, 1);
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");
   Nibbles nibbles = kLookup;
@@ -641,8 +748,7 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
     for (int i = 1; i < 16; ++i) consecutive = consecutive && t[i] == t[0] + i;
     if (consecutive) nibbles = t[0] == 0 ? kPlain : kShifted;
   }
-  return Weight{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
-                has_zero ? zero.data_ptr<float>() : nullptr, groups, group_bytes, quads ? kQuad : 1,
+  return Weight{static_cast<const uint8_t*>(codes.data_ptr()), scales, zeros, groups, group_bytes, quads ? kQuad : 1,
                 four ? table.data_ptr<int8_t>() : nullptr, nibbles};
 }
 
@@ -661,34 +767,36 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t 
 }
 
 torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                             const torch::Tensor& zero, const torch::Tensor& table, int64_t group) {
+                             const torch::Tensor& scale_units, const torch::Tensor& zero,
+                             const torch::Tensor& zero_units, const torch::Tensor& table, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  const Weight wt = check_weight(codes, scale, zero, table, group, k);
+  const Weight wt = check_weight(codes, scale, scale_units, zero, zero_units, table, group, k);
   const int64_t n = outputs_of(codes);
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const int64_t groups = k / group;
   std::unique_ptr<int16_t[]> q(new int16_t[m * k]);
   std::unique_ptr<float[]> d(new float[m * groups]);
-  std::unique_ptr<float[]> sum(wt.zero != nullptr ? new float[m * groups] : nullptr);
+  std::unique_ptr<float[]> sum(wt.has_zero() ? new float[m * groups] : nullptr);
   std::unique_ptr<int32_t[]> shift(wt.nibbles == kShifted ? new int32_t[m * groups * 8] : nullptr);
   quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
                wt.nibbles == kShifted ? wt.table[0] : 0);
   const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
-  dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, a, m,
+  dispatch<MatmulKernel>(codes.scalar_type() == torch::kUInt8, group, wt.has_zero(), wt, a, m,
                          out.data_ptr<float>(), n);
   return out;
 }
 
-torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zero,
-                             const torch::Tensor& table, int64_t group, int64_t start, int64_t end) {
+torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
+                             const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
+                             int64_t group, int64_t start, int64_t end) {
   TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 4, K / group, 4]");
   const int64_t k = scale.size(1) * group;
-  const Weight wt = check_weight(codes, scale, zero, table, group, k);
+  const Weight wt = check_weight(codes, scale, scale_units, zero, zero_units, table, group, k);
   TORCH_CHECK(0 <= start && start <= end && end <= outputs_of(codes), "rows [", start, ", ", end, ") out of range");
-  auto out = torch::empty({end - start, k}, scale.options());
-  dispatch<UnpackKernel>(codes.scalar_type() == torch::kUInt8, group, wt.zero != nullptr, wt, start, end, k,
+  auto out = torch::empty({end - start, k}, codes.options().dtype(torch::kFloat32));
+  dispatch<UnpackKernel>(codes.scalar_type() == torch::kUInt8, group, wt.has_zero(), wt, start, end, k,
                          out.data_ptr<float>());
   return out;
 }

@@ -21,7 +21,8 @@ from qh. kvalues is llama.cpp's 16-entry int8 table (gguf.quants.IQ4_NL.kvalues)
 
 Every such value is `code * scale + zero` of a group: the code a small integer, the scale and
 zero float32 as ggml computes them (d * sc in float32 is exact: an 11-bit f16 times a <= 8-bit
-integer); code * scale is exact too (<= 24 significant bits), so the one rounding is the
+integer; the K-quants' and IQ4_XS's are kept so factored, sc int8 per group and d per 256 values,
+kernels/grouped_matmul.Factored, which multiplies them out to the same floats); code * scale is exact too (<= 24 significant bits), so the one rounding is the
 addition, as in ggml. `Groups.values` and `dequantize` therefore give llama.cpp's float32
 bits; other types are handed to `gguf.quants` (bit for bit by definition). `unpack_q4` and
 `unpack_q8_0` give the Q4_0/Q4_1 and Q8_0 integers and block scales for the int4/int8 forms.
@@ -36,6 +37,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 from gguf.quants import _type_traits as _GGUF_TYPES
+
+from kernels.grouped_matmul import Factored, Scales, factor, floats
 
 QK = 32  # values per block of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL
 QK_K = 256  # values per block of the K-quants and IQ4_XS
@@ -67,12 +70,12 @@ class Groups(NamedTuple):
 
     codes: uint8 [rows, cols] nibbles 0..15 when `table` (int8 [16]) is set, which maps them to
     their integers; else int8 [rows, cols], the integers themselves. scale, zero: float32
-    [rows, cols // group]; zero None where the type has none (a zero of 0.0 would turn ggml's
-    -0.0 into +0.0).
+    [rows, cols // group], or Factored (the K-quants: int8 per group times a unit per 256 values);
+    zero None where the type has none (a zero of 0.0 would turn ggml's -0.0 into +0.0).
     """
     codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
+    scale: Scales
+    zero: Scales | None
     group: int
     table: torch.Tensor | None
 
@@ -81,9 +84,9 @@ class Groups(NamedTuple):
 
     def values(self) -> torch.Tensor:  # float32 [rows, cols], llama.cpp's bits
         rows, cols = self.codes.shape
-        values = self.integers().view(rows, cols // self.group, self.group).float() * self.scale[..., None]
+        values = self.integers().view(rows, cols // self.group, self.group).float() * floats(self.scale)[..., None]
         if self.zero is not None:
-            values = values + self.zero[..., None]
+            values = values + floats(self.zero)[..., None]
         return values.view(rows, cols)
 
 
@@ -157,10 +160,10 @@ def unpack_groups(raw: np.ndarray, qtype: int, rows: int, cols: int) -> Groups:
         return Groups(blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols), _f16(blocks[..., 0:2]), None,
                       QK, None)
     if qtype in (Q4_K, Q5_K):
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, m = _k_scales(blocks[..., 4:16])
-        scale = (d[..., None] * sc.float()).reshape(rows, -1)  # [rows, cols // 32]
-        zero = -(dmin[..., None] * m.float()).reshape(rows, -1)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, nb]
+        sc, m = _k_scales(blocks[..., 4:16])  # [rows, nb, 8]
+        scale = factor(sc.reshape(rows, -1), d)  # d * sc: [rows, cols // 32]
+        zero = factor(m.reshape(rows, -1), -dmin)  # -(dmin * m): the same float, sign and all
         low = blocks[..., -128:].reshape(rows, nb, 4, 32)  # 4 x 64 values: low nibbles 32 values, high the next 32
         q = _nibbles(low).reshape(rows, nb, 8, 32)  # sub-block j = 2 c + (high)
         if qtype == Q4_K:
@@ -172,14 +175,14 @@ def unpack_groups(raw: np.ndarray, qtype: int, rows: int, cols: int) -> Groups:
         low = torch.cat((ql & 0x0F, ql >> 4), dim=-1).reshape(rows, nb, 2, 4, 32)  # per 128: four runs of 32
         high = _bits(qh, 4, 2)  # [rows, nb, 2, 4, 32]: run t's two high bits at bits 2t..2t+1 of qh[i]
         q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, cols)
-        scale = (_f16(blocks[..., 208:210])[..., None] * blocks[..., 192:208].view(torch.int8).float()).reshape(rows, -1)
+        scale = factor(blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1), _f16(blocks[..., 208:210]))
         return Groups(q, scale, None, 16, None)
     if qtype == IQ4_XS:
         d = _f16(blocks[..., 0:2])
         high = _bits(blocks[..., 2:4], 4, 2).transpose(-1, -2).reshape(rows, nb, 8)  # 2 bits per sub-block, LE
         low = _bits(blocks[..., 4:8], 2, 4).transpose(-1, -2).reshape(rows, nb, 8)
         ls = (low | (high << 4)).to(torch.int8) - 32
-        scale = (d[..., None] * ls.float()).reshape(rows, -1)
+        scale = factor(ls.reshape(rows, -1), d)
         q = _nibbles(blocks[..., 8:].reshape(rows, nb, 8, 16))
         return Groups(q.reshape(rows, cols), scale, None, QK, IQ4_VALUES)
     raise UnsupportedTensorType(f"{type_name(qtype)} is not kept in groups")

@@ -12,9 +12,12 @@ activations (a bfloat16 input is widened, the result rounded back) and sums in f
 the C++ kernel (one arithmetic for any number of rows: a prefix-cache hit computes what a cold
 prompt does), or where it cannot build, by torch ops on blocks of the same values.
 
+The K-quants' scales stay factored as the file has them (kernels/grouped_matmul.Factored: an
+int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weight, not 6.
+
 A matrix stacked from GGUF tensors of different types (Q4_K_M keeps some attn_v in Q6_K beside
 Q4_K q and k) is kept in the form that holds them all: int8 codes in the smaller group, the
-scales repeated; the values stay the file's.
+scales repeated (still factored where every part's are); the values stay the file's.
 """
 
 from __future__ import annotations
@@ -22,10 +25,31 @@ from __future__ import annotations
 import torch
 
 from kernels import grouped_matmul
+from kernels.grouped_matmul import Factored, Scales
 from runtime.model.ggml_blocks import Groups
 from runtime.model.quantized import QuantizationError, QuantizedWeight
 
 NIBBLE_GROUP = 32  # inputs per group of 4-bit codes
+
+
+def _repeated(scale: Scales, times: int) -> Scales:
+    """Scales [rows, groups] with each group's repeated `times` (a group split in smaller ones); units stay."""
+    if isinstance(scale, Factored):
+        return Factored(scale.ints.repeat_interleave(times, dim=1), scale.units)
+    return scale.repeat_interleave(times, dim=1)
+
+
+def _zeros_like(scale: Scales) -> Scales:
+    if isinstance(scale, Factored):
+        return Factored(torch.zeros_like(scale.ints), torch.zeros_like(scale.units))
+    return torch.zeros_like(scale)
+
+
+def _cat(parts: list[Scales]) -> Scales:
+    """Row blocks' scales as one: factored when all are, with runs of groups of one length; else float32."""
+    if all(isinstance(p, Factored) for p in parts) and len({p.per_unit for p in parts}) == 1:
+        return Factored(torch.cat([p.ints for p in parts]), torch.cat([p.units for p in parts]))
+    return torch.cat([grouped_matmul.floats(p) for p in parts])
 
 
 def _stack(parts: list[Groups]) -> Groups:
@@ -35,17 +59,23 @@ def _stack(parts: list[Groups]) -> Groups:
                      for p in parts)
     same_zero = all((p.zero is None) == (first.zero is None) for p in parts)
     if same_table and same_zero and all(p.group == first.group for p in parts):
-        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
-        return Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero, first.group,
+        zero = None if first.zero is None else _cat([p.zero for p in parts])
+        return Groups(torch.cat([p.codes for p in parts]), _cat([p.scale for p in parts]), zero, first.group,
                       first.table)
     group = min(p.group for p in parts)
     codes = torch.cat([p.integers() for p in parts])
-    scale = torch.cat([p.scale.repeat_interleave(p.group // group, dim=1) for p in parts])
+    scale = _cat([_repeated(p.scale, p.group // group) for p in parts])
     if all(p.zero is None for p in parts):
         return Groups(codes, scale, None, group, None)
-    zero = torch.cat([(p.zero if p.zero is not None else torch.zeros_like(p.scale)).repeat_interleave(
-        p.group // group, dim=1) for p in parts])  # a +0.0 added where a part had no zero: no change to a product sum
+    # a +0.0 added where a part had no zero: no change to a product sum
+    zero = _cat([_repeated(p.zero if p.zero is not None else _zeros_like(p.scale), p.group // group) for p in parts])
     return Groups(codes, scale, zero, group, None)
+
+
+def _contiguous(scale: Scales) -> Scales:
+    if isinstance(scale, Factored):
+        return scale.map(torch.Tensor.contiguous)
+    return scale.float().contiguous()
 
 
 class GroupedWeight(QuantizedWeight):
@@ -53,9 +83,10 @@ class GroupedWeight(QuantizedWeight):
 
     def __init__(self, groups: Groups) -> None:
         out_features, in_features = groups.codes.shape
-        if in_features % groups.group or tuple(groups.scale.shape) != (out_features, in_features // groups.group):
+        scale_shape = tuple((groups.scale.ints if isinstance(groups.scale, Factored) else groups.scale).shape)
+        if in_features % groups.group or scale_shape != (out_features, in_features // groups.group):
             raise QuantizationError(f"grouped weight [{out_features}, {in_features}] needs scales "
-                                    f"[{out_features}, {in_features // groups.group}], got {tuple(groups.scale.shape)}")
+                                    f"[{out_features}, {in_features // groups.group}], got {scale_shape}")
         self.out_features = out_features
         self.in_features = self._padded_in = in_features
         self.group = groups.group
@@ -68,10 +99,10 @@ class GroupedWeight(QuantizedWeight):
             self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
         else:
             self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
-        self.scale = groups.scale.float().contiguous()  # float32 [out, in // group]
+        self.scale = _contiguous(groups.scale)  # float32 [out, in // group], or Factored
         if out_features % grouped_matmul.QUAD == 0:  # a decode step reads 4 outputs as one stream
             self.codes, self.scale = grouped_matmul.to_quads(self.codes, self.scale)
-        self.zero = None if groups.zero is None else groups.zero.float().contiguous()
+        self.zero = None if groups.zero is None else _contiguous(groups.zero)
         self.form = "grouped4" if self.table is not None else "grouped8"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
@@ -101,9 +132,10 @@ class GroupedWeight(QuantizedWeight):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
         ids = ids.reshape(-1).cpu()
-        zero = None if self.zero is None else self.zero[ids]
+        zero = None if self.zero is None else self.zero.map(lambda z: z[ids]) if isinstance(self.zero, Factored) \
+            else self.zero[ids]
         codes, scale = grouped_matmul.select_rows(self.codes, self.scale, ids)
         return grouped_matmul.grouped_values(codes, scale, zero, self.table).to(dtype)
 
     def nbytes(self) -> int:
-        return self.codes.numel() + (self.scale.numel() + (0 if self.zero is None else self.zero.numel())) * 4
+        return self.codes.numel() + grouped_matmul.scales_nbytes(self.scale) + grouped_matmul.scales_nbytes(self.zero)

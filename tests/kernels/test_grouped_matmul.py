@@ -224,3 +224,76 @@ def test_a_wrong_nibble_in_the_quad_layout_fails_the_check():
     quad_codes[2, 5, 3, 7] ^= 0x10  # output 11's group 5: one high nibble one step off
     assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, weight) > \
         10 * _bound(576, 32)
+
+
+def _factored(out_features, in_features, code_kind, group, zero, per_unit, seed):
+    """A weight whose scales (and zeros) are factored as the K-quants store them, and its float32 twin:
+    ((codes, Factored scale, Factored zero or None, table), (codes, float scale, float zero or None, table))."""
+    gen = torch.Generator().manual_seed(seed)
+    codes, _, _, table = _weight(out_features, in_features, code_kind, group, False, seed)
+    groups = in_features // group
+    units = ((torch.rand(out_features, groups // per_unit, generator=gen) + 0.5) * 1e-3).half().float()
+    scale = grouped_matmul.factor(torch.randint(-64, 64, (out_features, groups), generator=gen), units)  # Q6_K's sc
+    zeros = None
+    if zero:  # Q4_K's: -(dmin * m), m in 0..63
+        zero_units = -((torch.rand(out_features, groups // per_unit, generator=gen) + 0.5) * 1e-3).half().float()
+        zeros = grouped_matmul.factor(torch.randint(0, 64, (out_features, groups), generator=gen), zero_units)
+    return (codes, scale, zeros, table), (codes, scale.floats(), None if zeros is None else zeros.floats(), table)
+
+
+# (out, in, codes, group, zero, groups per unit): Q4_K's shape (units per 8 groups of 32), Q6_K's (16 of 16),
+# a multiple of 4 outputs and not
+FACTORED_KINDS = [(40, 512, "q4_1", 32, True, 8), (37, 512, "q4_1", 32, True, 8), (20, 1536, "int8", 16, False, 16),
+                  (44, 256, "iq4_nl", 32, False, 8), (36, 512, "int8", 16, True, 16), (12, 768, "q4_0", 32, True, 24)]
+
+
+@pytest.mark.parametrize("kind", FACTORED_KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_factored_scales_give_the_float_scales_bits(kind):
+    """int8 scales and zeros times a unit per run of groups are the same floats (the product is exact), so
+    every loop (one row, row blocks, the quad layout, the plain build, the unpack, the torch path) gives
+    the float form's bits, and stays within the float64 bound."""
+    factored, floats = _factored(*kind, seed=41)
+    layouts = [(factored, floats)]
+    if kind[0] % grouped_matmul.QUAD == 0:
+        layouts.append(((*grouped_matmul.to_quads(*factored[:2]), *factored[2:]),
+                        (*grouped_matmul.to_quads(*floats[:2]), *floats[2:])))
+    for weight, twin in layouts:
+        assert torch.equal(grouped_matmul.grouped_values(*weight), grouped_matmul.grouped_values(*twin))
+        for rows in (1, 2, 5, 9, 17):
+            x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 2))
+            out = grouped_matmul.grouped_matmul(x, *weight)
+            assert torch.equal(out, grouped_matmul.grouped_matmul(x, *twin))
+            assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, portable=True), out)
+            assert _error_ratio(out, x, floats) <= _bound(kind[1], kind[3])
+        assert torch.equal(grouped_matmul.grouped_unpack(*weight, 1, kind[0]),
+                           grouped_matmul.grouped_values(*floats)[1:])
+        x = torch.randn(3, kind[1])
+        assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *weight), grouped_matmul.grouped_matmul_torch(x, *twin))
+    picked = grouped_matmul.select_rows(*layouts[-1][0][:2], torch.tensor([3, 0, 3]))
+    assert torch.equal(picked[1].floats(), floats[1][[3, 0, 3]])
+
+
+def test_one_wrong_factored_int_or_unit_fails_the_check():
+    (codes, scale, zero, table), floats = _factored(40, 512, "q4_1", 32, True, 8, seed=43)
+    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(47))
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, floats) <= \
+        _bound(512, 32)
+    ints = quad_scale.ints.clone()
+    ints[2, 5, 3] += 1  # output 11's group 5: its sc one step off
+    wrong = grouped_matmul.Factored(ints, quad_scale.units)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, wrong, zero, table), x, floats) > 10 * _bound(512, 32)
+    units = zero.units.clone()
+    units[7, 1] *= 1.125  # output 7's second unit of zeros (dmin) off by an eighth
+    wrong = grouped_matmul.Factored(zero.ints, units)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, wrong, table), x, floats) > \
+        10 * _bound(512, 32)
+
+
+def test_factored_scales_need_units_of_whole_runs_of_8_groups():
+    with pytest.raises(ValueError, match="one per 8k groups"):
+        grouped_matmul.factor(torch.zeros(4, 12, dtype=torch.int8), torch.ones(4, 3))  # runs of 4 groups
+    codes, scale, zero, table = _weight(8, 512, "q4_1", 32, False, seed=1)
+    bad = grouped_matmul.Factored(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 4))  # runs of 4, unchecked
+    with pytest.raises(RuntimeError, match="one per 8k groups"):
+        grouped_matmul.grouped_matmul(torch.randn(1, 512), codes, bad, None, table)

@@ -100,7 +100,7 @@ def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
     ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
     values = grouped_matmul.grouped_values(weight.codes, weight.scale, None, weight.table, dtype=torch.float64).abs()
     if weight.zero is not None:
-        values = values + weight.zero.double().abs().repeat_interleave(group, dim=1)
+        values = values + grouped_matmul.floats(weight.zero).double().abs().repeat_interleave(group, dim=1)
     magnitude = inputs.abs() @ values.T
     steps = (x.shape[1] / group + 6) if rounded else (x.shape[1] / 8 + 3)
     bound = steps * 2**-24 * magnitude + (2**-8 if dtype == torch.bfloat16 else 2**-24) * ref.abs()
@@ -151,6 +151,25 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(3, 256)
     _check_close(weight.linear(x), x, weight, torch.float32)
+
+
+def test_k_quant_scales_stay_factored_and_small():
+    """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
+    weight, not 6; a Q4_K + Q6_K stack (Q4_K_M's q/k/v) stays factored in groups of 16; the values are the file's."""
+    rng = np.random.default_rng(6)
+    raw = _encoded("Q4_K", 64, 512, rng)
+    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q4_K, 64, 512)])
+    assert isinstance(weight.scale, grouped_matmul.Factored) and isinstance(weight.zero, grouped_matmul.Factored)
+    assert weight.nbytes() * 8 / (64 * 512) == 4.75
+    assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q4_K, (64, 512)))
+    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
+    stacked = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws])
+    assert isinstance(stacked.scale, grouped_matmul.Factored) and stacked.group == 16
+    assert torch.equal(stacked.dequantize(),
+                       torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws]))
+    x = torch.randn(2, 256)
+    _check_close(stacked.linear(x), x, stacked, torch.float32)
 
 
 # --- whole models: auto (each type in its form) gives the tokens of the dequantized file -----------

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from runtime.model import ggml_blocks
 from runtime.model.gguf_file import GGUFCheckpoint, GGUFError, GGUFTensor
-from runtime.model.grouped import GroupedWeight
+from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import weight_target
 from runtime.model.quantize import check_quantization, gguf_form, install_linear, placeholder, quantize_float
@@ -46,7 +46,7 @@ def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight | torch.T
 
 def _form_name(form) -> str:
     """How a filled weight runs, for the load log."""
-    if isinstance(form, GroupedWeight):
+    if isinstance(form, (GroupedWeight, SplitGroupedWeight)):
         return form.form
     if isinstance(form, QuantizedWeight):
         return {Int4Weight: "int4", Int8Weight: "int8"}[type(form)]
@@ -94,8 +94,8 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
             pieces.sort(key=lambda piece: piece[0].start or 0)
             ordered = [t for _, t in pieces]
             del pending[id(param)]
-            form = _fill(model, param, ordered, slots, owners, quantization, device, dtype)
-            for piece in ordered:
+            piece_forms = _fill(model, param, ordered, slots, owners, quantization, device, dtype)
+            for piece, form in zip(ordered, piece_forms):
                 forms.setdefault(piece.type_name, set()).add(form)
             filled.add(id(param))
     missing = [name for pid, name in params.items() if pid not in filled]
@@ -111,19 +111,19 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, device: torch.device, dtype: tor
 
 
 def _fill(model: LlamaForCausalLM, param: nn.Parameter, pieces: list[GGUFTensor], slots, owners, quantization: str,
-          device: torch.device, dtype: torch.dtype) -> str:
-    """Put one whole parameter, made of `pieces`, into the model in its final form; returns the form's name."""
+          device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Put one whole parameter, made of `pieces`, into the model in its final form; returns each piece's form."""
     if id(param) in slots:  # a layer's matmul weight
         module, name = slots[id(param)]
         form = gguf_form(quantization, pieces[0].qtype, device, False, dtype)
         weight = _dequantized(pieces).to(device) if form == "dense" else _quantized(pieces, form)
         install_linear(module, name, weight, dtype)
-        return _form_name(weight)
+        return weight.piece_forms if isinstance(weight, SplitGroupedWeight) else [_form_name(weight)] * len(pieces)
     if param is model.embed_tokens or param is model.lm_head:
-        return _fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)
+        return [_fill_table(model, pieces[0], param is model.embed_tokens, quantization, device, dtype)]
     owner, attr = owners[id(param)]  # a norm, or a bias (q/k/v biases stacked like their weights)
     setattr(owner, attr, nn.Parameter(_dequantized(pieces).to(device=device, dtype=dtype), requires_grad=False))
-    return "dense"
+    return ["dense"] * len(pieces)
 
 
 def _fill_table(model: LlamaForCausalLM, piece: GGUFTensor, is_embedding: bool, quantization: str,

@@ -15,9 +15,10 @@ prompt does), or where it cannot build, by torch ops on blocks of the same value
 The K-quants' scales stay factored as the file has them (kernels/grouped_matmul.Factored: an
 int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weight, not 6.
 
-A matrix stacked from GGUF tensors of different types (Q4_K_M keeps some attn_v in Q6_K beside
-Q4_K q and k) is kept in the form that holds them all: int8 codes in the smaller group, the
-scales repeated (still factored where every part's are); the values stay the file's.
+A matrix stacked from GGUF tensors of different kinds (Q4_K_M keeps some attn_v in Q6_K beside
+Q4_K q and k) keeps each run of one kind in its own form, called apart (SplitGroupedWeight): one
+form for all would give the Q4_K rows int8 codes per 16, 9.25 bits a weight instead of 4.75.
+`_stack` still makes that one form where a caller wants it (the values stay the file's).
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def _contiguous(scale: Scales) -> Scales:
     return scale.float().contiguous()
 
 
+def _same_kind(a: Groups, b: Groups) -> bool:
+    """Whether two row blocks stack as they are (one code kind, group, table and zero presence)."""
+    return (a.group == b.group and (a.zero is None) == (b.zero is None) and (a.table is None) == (b.table is None)
+            and (a.table is None or torch.equal(a.table, b.table)))
+
+
 class GroupedWeight(QuantizedWeight):
     """A [out_features, in_features] weight in ggml's groups; `linear` is x @ W.T + bias in float32 sums."""
 
@@ -107,9 +114,18 @@ class GroupedWeight(QuantizedWeight):
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
     @classmethod
-    def from_groups(cls, parts: list[Groups]) -> GroupedWeight:
-        """One weight from the row blocks of a matrix (runtime/model/ggml_blocks.unpack_groups each), in order."""
-        return cls(_stack(parts))
+    def from_groups(cls, parts: list[Groups]) -> GroupedWeight | SplitGroupedWeight:
+        """One weight from the row blocks of a matrix (runtime/model/ggml_blocks.unpack_groups each), in order:
+        runs of one kind stacked, and a SplitGroupedWeight where the kinds differ."""
+        runs: list[list[Groups]] = []
+        for part in parts:
+            if runs and _same_kind(runs[-1][-1], part):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        if len(runs) == 1:
+            return cls(_stack(parts))
+        return SplitGroupedWeight([cls(_stack(run)) for run in runs], [len(run) for run in runs])
 
     def _args(self) -> tuple:
         return self.codes, self.scale, self.zero, self.table
@@ -139,3 +155,30 @@ class GroupedWeight(QuantizedWeight):
 
     def nbytes(self) -> int:
         return self.codes.numel() + grouped_matmul.scales_nbytes(self.scale) + grouped_matmul.scales_nbytes(self.zero)
+
+
+class SplitGroupedWeight(QuantizedWeight):
+    """A matrix whose row blocks are GroupedWeights of different kinds, each called apart, outputs side by side."""
+
+    def __init__(self, parts: list[GroupedWeight], pieces: list[int]) -> None:
+        if len({p.in_features for p in parts}) != 1:
+            raise QuantizationError(f"row blocks of one matrix with different widths: {[p.in_features for p in parts]}")
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = self._padded_in = parts[0].in_features
+        self.piece_forms = [part.form for part, count in zip(parts, pieces) for _ in range(count)]  # per file tensor
+        self.form = "+".join(sorted(set(self.piece_forms)))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out] in x's dtype: each block's outputs, as GroupedWeight gives them."""
+        out = torch.cat([part.linear(x) for part in self.parts], dim=1)  # [rows, out]
+        return out if bias is None else out + bias
+
+    def dequantize(self) -> torch.Tensor:  # float32 [out, in], the file's values
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise QuantizationError("a split weight is a layer's matmul, never an embedding table")
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)

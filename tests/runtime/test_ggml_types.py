@@ -16,8 +16,8 @@ import torch
 
 from kernels import grouped_matmul
 from runtime import Engine, SamplingParams
-from runtime.model import ggml_blocks
-from runtime.model.grouped import GroupedWeight
+from runtime.model import ggml_blocks, grouped
+from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
 from tests.gguf_files import K_QUANT_BLOCK, random_k_quant_blocks, write_gguf
 
 GROUPED = ("Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -141,21 +141,33 @@ def test_rows_are_the_file_values():
 
 
 def test_a_matrix_stacked_from_different_types_keeps_every_value():
-    """Q4_K_M's fused q/k/v: Q4_K q and k beside a Q6_K v (16-input groups) -> int8 codes per 16, exact."""
+    """Q4_K_M's fused q/k/v: Q4_K q and k beside a Q6_K v: each run of one kind in its own form, called apart
+    (q and k stacked as 4-bit codes, v and a Q5_0 block as int8 codes), every value the file's; `_stack` still
+    makes one int8 form per 16 of them all, exactly."""
     rng = np.random.default_rng(5)
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 16)]
     raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
-    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws])
+    groups = [ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws]
+    weight = GroupedWeight.from_groups(groups)
     expected = torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws])
-    assert weight.form == "grouped8" and weight.group == 16
+    assert isinstance(weight, SplitGroupedWeight)
+    assert [(p.form, p.out_features, p.group) for p in weight.parts] == [("grouped4", 96, 32), ("grouped8", 32, 16),
+                                                                         ("grouped8", 16, 32)]
+    assert weight.piece_forms == ["grouped4", "grouped4", "grouped8", "grouped8"] and weight.out_features == 144
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(3, 256)
-    _check_close(weight.linear(x), x, weight, torch.float32)
+    out = weight.linear(x, bias=torch.ones(144))
+    start = 0
+    for part in weight.parts:  # each block within its own kernel's bound, the bias added once
+        _check_close(out[:, start:start + part.out_features] - 1, x, part, torch.float32)
+        start += part.out_features
+    assert torch.equal(GroupedWeight(grouped._stack(groups)).dequantize(), expected)
 
 
 def test_k_quant_scales_stay_factored_and_small():
     """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
-    weight, not 6; a Q4_K + Q6_K stack (Q4_K_M's q/k/v) stays factored in groups of 16; the values are the file's."""
+    weight, not 6; one form for a Q4_K + Q6_K stack (Q4_K_M's q/k/v) stays factored in groups of 16; the values
+    are the file's."""
     rng = np.random.default_rng(6)
     raw = _encoded("Q4_K", 64, 512, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q4_K, 64, 512)])
@@ -164,7 +176,7 @@ def test_k_quant_scales_stay_factored_and_small():
     assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q4_K, (64, 512)))
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
     raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
-    stacked = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws])
+    stacked = GroupedWeight(grouped._stack([ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws]))
     assert isinstance(stacked.scale, grouped_matmul.Factored) and stacked.group == 16
     assert torch.equal(stacked.dequantize(),
                        torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws]))
@@ -246,13 +258,14 @@ def test_auto_gives_the_tokens_of_the_dequantized_file(f32_files, type_name, tie
     dense = Engine.from_pretrained(path, quantization="none", num_blocks=64, block_size=8)
     model = auto.runner.model
     kinds = {type(getattr(m, f"{n}_packed")).__name__ for m, n in model.linear_slots()}
-    assert kinds == {"GroupedWeight"} and isinstance(model.lm_head_packed, GroupedWeight)
+    assert kinds == ({"GroupedWeight", "SplitGroupedWeight"} if type_name == "mixed" else {"GroupedWeight"})
+    assert isinstance(model.lm_head_packed, GroupedWeight)
     if tied:  # the embedding rows come from the LM head's own groups
         assert model.embed_rows is model.lm_head_packed
     forms = next(entry["forms"] for entry in logs if entry["event"] == "GGUF loaded")
     # an untied embedding table is kept in the file's blocks, its rows decoded as looked up ("rows"); the mix
-    # stacks Q4_K q and k with a Q6_K v: int8 codes per 16 for that whole matrix
-    expected = {"F32": "dense", **({"Q4_K": "grouped4+grouped8", "Q6_K": "grouped8", "Q5_0": "grouped8", "Q8_0": "rows"}
+    # stacks Q4_K q and k with a Q6_K v: each kept in its own form, called apart
+    expected = {"F32": "dense", **({"Q4_K": "grouped4", "Q6_K": "grouped8", "Q5_0": "grouped8", "Q8_0": "rows"}
                                    if type_name == "mixed" else {type_name: FORMS[type_name] + ("" if tied else "+rows")})}
     assert forms == expected
     assert model.weight_bytes() < dense.runner.model.weight_bytes() / 2.5

@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
@@ -615,6 +616,22 @@ void dispatch(bool four, int64_t group, bool has_zero, Args&&... args) {
   }
 }
 
+// rows [row, end) in blocks of kRowBlock, then one of 4, 2 and 1 as they fit: run(std::integral_constant<int, R>,
+// first row) for each block
+template <typename Run>
+inline void row_blocks(int64_t row, int64_t end, Run&& run) {
+  for (; row + kRowBlock <= end; row += kRowBlock) run(std::integral_constant<int, kRowBlock>{}, row);
+  if (end - row >= 4) {
+    run(std::integral_constant<int, 4>{}, row);
+    row += 4;
+  }
+  if (end - row >= 2) {
+    run(std::integral_constant<int, 2>{}, row);
+    row += 2;
+  }
+  if (end - row >= 1) run(std::integral_constant<int, 1>{}, row);
+}
+
 template <int G, bool kFour, bool kZero>
 struct MatmulKernel {
   static void run(const Weight& wt, const Activations& a, int64_t m, float* out, int64_t n) {
@@ -645,17 +662,9 @@ struct MatmulKernel {
           for (int64_t row0 = 0; row0 < m; row0 += chunk) {
             const int64_t rows_end = std::min(m, row0 + chunk);
             for (int64_t o = first; o < last; o += kQuad) {
-              int64_t r = row0;
-              for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_quad<kRowBlock, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
-              if (rows_end - r >= 4) {
-                dot_quad<4, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
-                r += 4;
-              }
-              if (rows_end - r >= 2) {
-                dot_quad<2, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
-                r += 2;
-              }
-              if (rows_end - r >= 1) dot_quad<1, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+              row_blocks(row0, rows_end, [&](auto rows, int64_t r) {
+                dot_quad<decltype(rows)::value, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+              });
             }
           }
           return;
@@ -664,20 +673,13 @@ struct MatmulKernel {
       for (int64_t row0 = 0; row0 < m; row0 += chunk) {
         const int64_t rows_end = std::min(m, row0 + chunk);
         for (int64_t o = first; o < last; ++o) {
-          int64_t r = row0;
-          // at 4 rows and more a group's decode is shared, and the shift's add per row would cost more than
-          // the table lookup saves: those blocks look the nibbles up (the same integers either way)
-          constexpr int kWide = kNib == kShifted ? kLookup : kNib;
-          for (; r + kRowBlock <= rows_end; r += kRowBlock) dot_rows<kRowBlock, G, kFour, kZero, kWide>(wt, o, a, r, out + r * n + o, n);
-          if (rows_end - r >= 4) {
-            dot_rows<4, G, kFour, kZero, kWide>(wt, o, a, r, out + r * n + o, n);
-            r += 4;
-          }
-          if (rows_end - r >= 2) {
-            dot_rows<2, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
-            r += 2;
-          }
-          if (rows_end - r >= 1) dot_rows<1, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+          row_blocks(row0, rows_end, [&](auto rows, int64_t r) {
+            constexpr int R = decltype(rows)::value;
+            // at 4 rows and more a group's decode is shared, and the shift's add per row would cost more than
+            // the table lookup saves: those blocks look the nibbles up (the same integers either way)
+            constexpr int kRowsNib = R >= 4 && kNib == kShifted ? kLookup : kNib;
+            dot_rows<R, G, kFour, kZero, kRowsNib>(wt, o, a, r, out + r * n + o, n);
+          });
         }
       }
     });

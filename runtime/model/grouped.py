@@ -53,13 +53,16 @@ def _cat(parts: list[Scales]) -> Scales:
     return torch.cat([grouped_matmul.floats(p) for p in parts])
 
 
+def _same_kind(a: Groups, b: Groups) -> bool:
+    """Whether two row blocks stack as they are (one code kind, group, table and zero presence)."""
+    return (a.group == b.group and (a.zero is None) == (b.zero is None) and (a.table is None) == (b.table is None)
+            and (a.table is None or torch.equal(a.table, b.table)))
+
+
 def _stack(parts: list[Groups]) -> Groups:
     """Row blocks of one matrix as one Groups: as they are when they agree, else int8 codes in the smallest group."""
     first = parts[0]
-    same_table = all((p.table is None) == (first.table is None) and (p.table is None or torch.equal(p.table, first.table))
-                     for p in parts)
-    same_zero = all((p.zero is None) == (first.zero is None) for p in parts)
-    if same_table and same_zero and all(p.group == first.group for p in parts):
+    if all(_same_kind(first, p) for p in parts):
         zero = None if first.zero is None else _cat([p.zero for p in parts])
         return Groups(torch.cat([p.codes for p in parts]), _cat([p.scale for p in parts]), zero, first.group,
                       first.table)
@@ -77,12 +80,6 @@ def _contiguous(scale: Scales) -> Scales:
     if isinstance(scale, Factored):
         return scale.map(torch.Tensor.contiguous)
     return scale.float().contiguous()
-
-
-def _same_kind(a: Groups, b: Groups) -> bool:
-    """Whether two row blocks stack as they are (one code kind, group, table and zero presence)."""
-    return (a.group == b.group and (a.zero is None) == (b.zero is None) and (a.table is None) == (b.table is None)
-            and (a.table is None or torch.equal(a.table, b.table)))
 
 
 class GroupedWeight(QuantizedWeight):

@@ -100,6 +100,11 @@ def factor(ints: torch.Tensor, units: torch.Tensor) -> Factored:
     return Factored(ints, units)
 
 
+def each(scale: Scales, fn) -> Scales:
+    """fn applied to float32 scales, or to both tensors of a Factored (a layout change, a selection of outputs)."""
+    return scale.map(fn) if isinstance(scale, Factored) else fn(scale)
+
+
 def floats(scale: Scales | None) -> torch.Tensor | None:
     """Scales or zeros as float32 in their layout (a Factored one multiplied out: exact)."""
     return scale.floats() if isinstance(scale, Factored) else scale
@@ -127,7 +132,7 @@ def to_quads(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
     if n % QUAD:
         raise ValueError(f"the quad layout needs a multiple of {QUAD} outputs, not {n}")
     quads = codes.view(n // QUAD, QUAD, groups, -1).transpose(1, 2).contiguous()  # [N / 4, groups, 4, bytes]
-    return quads, scale.map(_quads_of) if isinstance(scale, Factored) else _quads_of(scale)
+    return quads, each(scale, _quads_of)
 
 
 def to_rows(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
@@ -136,17 +141,15 @@ def to_rows(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
         return codes, scale
     quads = codes.shape[0]
     return (codes.transpose(1, 2).reshape(quads * QUAD, -1),  # [N, bytes]
-            scale.map(_rows_of) if isinstance(scale, Factored) else _rows_of(scale))  # [N, groups]
+            each(scale, _rows_of))  # [N, groups]
 
 
 def select_rows(codes: torch.Tensor, scale: Scales, ids: torch.Tensor) -> tuple[torch.Tensor, Scales]:
     """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale [R, groups]."""
     if codes.dim() == 2:
-        pick = lambda values: values[ids]  # noqa: E731
-        return codes[ids], scale.map(pick) if isinstance(scale, Factored) else pick(scale)
-    pick = lambda values: values[ids // QUAD, :, ids % QUAD]  # noqa: E731
-    return codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1), scale.map(pick) if isinstance(scale, Factored) \
-        else pick(scale)
+        return codes[ids], each(scale, lambda values: values[ids])
+    picked = codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1)
+    return picked, each(scale, lambda values: values[ids // QUAD, :, ids % QUAD])
 
 
 def _shape(scale: Scales) -> tuple[int, int]:

@@ -79,10 +79,10 @@ struct GroupScales {
   const float* floats;  // output n's group g at [at(n) + g * quad] (nullptr: factored)
   const int8_t* ints;   // factored: the same place
   const float* units;   // factored: output n's unit u at [unit_at(n) + u * quad]
-  int64_t groups, units_per_row, per_unit, quad;
+  int64_t groups, per_unit, quad;  // per_unit: groups to a unit (factored)
 
   int64_t at(int64_t n) const { return (n / quad) * groups * quad + n % quad; }
-  int64_t unit_at(int64_t n) const { return (n / quad) * units_per_row * quad + n % quad; }
+  int64_t unit_at(int64_t n) const { return (n / quad) * (groups / per_unit) * quad + n % quad; }
   float value(int64_t n, int64_t g) const {  // output n's group g
     if (floats != nullptr) return floats[at(n) + g * quad];
     return units[unit_at(n) + (g / per_unit) * quad] * static_cast<float>(ints[at(n) + g * quad]);
@@ -100,36 +100,30 @@ class ScaleWalk {
         per_unit_(s.per_unit) {}
 
   float next() {  // the next group's scale
-    if (floats_ != nullptr) {
-      const float v = *floats_;
-      floats_ += quad_;
-      return v;
-    }
-    const float v = *units_ * static_cast<float>(*ints_);
-    ints_ += quad_;
-    step_unit();
+    const float v = floats_ != nullptr ? *floats_ : *units_ * static_cast<float>(*ints_);
+    advance();
     return v;
   }
 
   const float* floats() const { return floats_; }  // where the next group's scale lies (float32 form)
   const int8_t* ints() const { return ints_; }      // (factored form) its int, and its unit
   const float* unit() const { return units_; }
+  const void* ahead(int64_t groups) const {  // where the scale `groups` on lies, for a prefetch
+    return floats_ != nullptr ? static_cast<const void*>(floats_ + groups * quad_) : ints_ + groups * quad_;
+  }
   void advance() {  // past one group, having read it through the pointers above
     if (floats_ != nullptr) {
       floats_ += quad_;
-    } else {
-      ints_ += quad_;
-      step_unit();
+      return;
     }
-  }
-
- private:
-  void step_unit() {
+    ints_ += quad_;
     if (++in_unit_ == per_unit_) {
       in_unit_ = 0;
       units_ += quad_;
     }
   }
+
+ private:
   const float* floats_;
   const int8_t* ints_;
   const float* units_;
@@ -361,11 +355,8 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
   for (int64_t g = 0; g < wt.groups; ++g) {
     const uint8_t* group = codes + g * kQuad * kGroupBytes;
     _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchBytes), _MM_HINT_T0);
-    if (walk.floats() != nullptr) {  // the scales' stream, as far ahead in groups as the codes'
-      _mm_prefetch(reinterpret_cast<const char*>(walk.floats() + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(walk.ints() + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
-    }
+    // the scales' stream, as far ahead in groups as the codes'
+    _mm_prefetch(static_cast<const char*>(walk.ahead(kPrefetchBytes / (kQuad * kGroupBytes))), _MM_HINT_T0);
     __m512i w[kPairs][G / 16];  // pair p: output 2p's inputs 16v..16v+15, then output 2p+1's
     __m512 pair_scale[kPairs];  // the pair's scales, each in its output's 8 lanes
     const __m512 scales = _mm512_castps128_ps512(quad_scales(walk));
@@ -715,13 +706,13 @@ GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units
               "got ", values.sizes());
   if (!factored) {
     TORCH_CHECK(units.numel() == 0, what, ": float32 values take no units");
-    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, groups, 0, 1, quad};
+    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, groups, 1, quad};
   }
   TORCH_CHECK(units.scalar_type() == torch::kFloat32 && units.dim() == values.dim(), what, "'s units: float32");
   const int64_t count = units.size(1);
   TORCH_CHECK(count > 0 && groups % count == 0 && (groups / count) % 8 == 0 && fits(units, count), what,
               "'s units: one per 8k groups, shaped as its values, got ", units.sizes(), " for ", groups, " groups");
-  return GroupScales{nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, count, groups / count, quad};
+  return GroupScales{nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, groups / count, quad};
 }
 
 Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
@@ -739,7 +730,7 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
                     : codes.size(1) == groups * group_bytes,
               "codes ", codes.sizes(), " do not fit K = ", k, " in groups of ", group);
   const GroupScales scales = check_scales(scale, scale_units, "scale", n, groups, quads ? kQuad : 1);
-  GroupScales zeros{nullptr, nullptr, nullptr, groups, 0, 1, 1};
+  GroupScales zeros{nullptr, nullptr, nullptr, groups, 1, 1};
   if (zero.numel() > 0) zeros = check_scales(zero, zero_units, "zero", n, groups, 1);
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");

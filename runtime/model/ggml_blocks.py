@@ -21,9 +21,9 @@ from qh. kvalues is llama.cpp's 16-entry int8 table (gguf.quants.IQ4_NL.kvalues)
 
 Every such value is `code * scale + zero` of a group: the code a small integer, the scale and
 zero float32 as ggml computes them (d * sc in float32 is exact: an 11-bit f16 times a <= 8-bit
-integer; the K-quants' and IQ4_XS's are kept so factored, sc int8 per group and d per 256 values,
-kernels/grouped_matmul.Factored, which multiplies them out to the same floats); code * scale is exact too (<= 24 significant bits), so the one rounding is the
-addition, as in ggml. `Groups.values` and `dequantize` therefore give llama.cpp's float32
+integer; the K-quants' and IQ4_XS's stay so factored, sc int8 per group and d per 256 values:
+kernels/grouped_matmul.Factored, multiplied out to the same floats); code * scale is exact too
+(<= 24 significant bits), so the one rounding is the addition, as in ggml. `Groups.values` and `dequantize` therefore give llama.cpp's float32
 bits; other types are handed to `gguf.quants` (bit for bit by definition). `unpack_q4` and
 `unpack_q8_0` give the Q4_0/Q4_1 and Q8_0 integers and block scales for the int4/int8 forms.
 """
@@ -38,7 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 from gguf.quants import _type_traits as _GGUF_TYPES
 
-from kernels.grouped_matmul import Factored, Scales, factor, floats
+from kernels.grouped_matmul import Scales, factor, floats
 
 QK = 32  # values per block of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL
 QK_K = 256  # values per block of the K-quants and IQ4_XS

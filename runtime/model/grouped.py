@@ -18,7 +18,6 @@ int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weig
 A matrix stacked from GGUF tensors of different kinds (Q4_K_M keeps some attn_v in Q6_K beside
 Q4_K q and k) keeps each run of one kind in its own form, called apart (SplitGroupedWeight): one
 form for all would give the Q4_K rows int8 codes per 16, 9.25 bits a weight instead of 4.75.
-`_stack` still makes that one form where a caller wants it (the values stay the file's).
 """
 
 from __future__ import annotations
@@ -31,19 +30,6 @@ from runtime.model.ggml_blocks import Groups
 from runtime.model.quantized import QuantizationError, QuantizedWeight
 
 NIBBLE_GROUP = 32  # inputs per group of 4-bit codes
-
-
-def _repeated(scale: Scales, times: int) -> Scales:
-    """Scales [rows, groups] with each group's repeated `times` (a group split in smaller ones); units stay."""
-    if isinstance(scale, Factored):
-        return Factored(scale.ints.repeat_interleave(times, dim=1), scale.units)
-    return scale.repeat_interleave(times, dim=1)
-
-
-def _zeros_like(scale: Scales) -> Scales:
-    if isinstance(scale, Factored):
-        return Factored(torch.zeros_like(scale.ints), torch.zeros_like(scale.units))
-    return torch.zeros_like(scale)
 
 
 def _cat(parts: list[Scales]) -> Scales:
@@ -60,20 +46,12 @@ def _same_kind(a: Groups, b: Groups) -> bool:
 
 
 def _stack(parts: list[Groups]) -> Groups:
-    """Row blocks of one matrix as one Groups: as they are when they agree, else int8 codes in the smallest group."""
+    """Row blocks of one kind (`_same_kind`) as one Groups, in order."""
     first = parts[0]
-    if all(_same_kind(first, p) for p in parts):
-        zero = None if first.zero is None else _cat([p.zero for p in parts])
-        return Groups(torch.cat([p.codes for p in parts]), _cat([p.scale for p in parts]), zero, first.group,
-                      first.table)
-    group = min(p.group for p in parts)
-    codes = torch.cat([p.integers() for p in parts])
-    scale = _cat([_repeated(p.scale, p.group // group) for p in parts])
-    if all(p.zero is None for p in parts):
-        return Groups(codes, scale, None, group, None)
-    # a +0.0 added where a part had no zero: no change to a product sum
-    zero = _cat([_repeated(p.zero if p.zero is not None else _zeros_like(p.scale), p.group // group) for p in parts])
-    return Groups(codes, scale, zero, group, None)
+    if not all(_same_kind(first, p) for p in parts):
+        raise QuantizationError("row blocks of different kinds are kept apart (SplitGroupedWeight), not stacked")
+    zero = None if first.zero is None else _cat([p.zero for p in parts])
+    return Groups(torch.cat([p.codes for p in parts]), _cat([p.scale for p in parts]), zero, first.group, first.table)
 
 
 def _contiguous(scale: Scales) -> Scales:
@@ -145,8 +123,7 @@ class GroupedWeight(QuantizedWeight):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
         ids = ids.reshape(-1).cpu()
-        zero = None if self.zero is None else self.zero.map(lambda z: z[ids]) if isinstance(self.zero, Factored) \
-            else self.zero[ids]
+        zero = None if self.zero is None else grouped_matmul.each(self.zero, lambda values: values[ids])
         codes, scale = grouped_matmul.select_rows(self.codes, self.scale, ids)
         return grouped_matmul.grouped_values(codes, scale, zero, self.table).to(dtype)
 

@@ -18,6 +18,7 @@ from kernels import grouped_matmul
 from runtime import Engine, SamplingParams
 from runtime.model import ggml_blocks, grouped
 from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
+from runtime.model.quantized import QuantizationError
 from tests.gguf_files import K_QUANT_BLOCK, random_k_quant_blocks, write_gguf
 
 GROUPED = ("Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -142,8 +143,8 @@ def test_rows_are_the_file_values():
 
 def test_a_matrix_stacked_from_different_types_keeps_every_value():
     """Q4_K_M's fused q/k/v: Q4_K q and k beside a Q6_K v: each run of one kind in its own form, called apart
-    (q and k stacked as 4-bit codes, v and a Q5_0 block as int8 codes), every value the file's; `_stack` still
-    makes one int8 form per 16 of them all, exactly."""
+    (q and k stacked as 4-bit codes, v and a Q5_0 block as int8 codes), every value the file's; blocks of
+    different kinds are never stacked into one form."""
     rng = np.random.default_rng(5)
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 16)]
     raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
@@ -161,27 +162,26 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
     for part in weight.parts:  # each block within its own kernel's bound, the bias added once
         _check_close(out[:, start:start + part.out_features] - 1, x, part, torch.float32)
         start += part.out_features
-    assert torch.equal(GroupedWeight(grouped._stack(groups)).dequantize(), expected)
+    with pytest.raises(QuantizationError, match="kept apart"):
+        grouped._stack(groups)
 
 
 def test_k_quant_scales_stay_factored_and_small():
     """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
-    weight, not 6; one form for a Q4_K + Q6_K stack (Q4_K_M's q/k/v) stays factored in groups of 16; the values
-    are the file's."""
+    weight, not 6, and Q6_K's: 8.625; the values are the file's."""
     rng = np.random.default_rng(6)
     raw = _encoded("Q4_K", 64, 512, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q4_K, 64, 512)])
     assert isinstance(weight.scale, grouped_matmul.Factored) and isinstance(weight.zero, grouped_matmul.Factored)
     assert weight.nbytes() * 8 / (64 * 512) == 4.75
     assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q4_K, (64, 512)))
-    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
-    raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
-    stacked = GroupedWeight(grouped._stack([ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws]))
-    assert isinstance(stacked.scale, grouped_matmul.Factored) and stacked.group == 16
-    assert torch.equal(stacked.dequantize(),
-                       torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws]))
-    x = torch.randn(2, 256)
-    _check_close(stacked.linear(x), x, stacked, torch.float32)
+    raw = _encoded("Q6_K", 32, 512, rng)
+    six = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 32, 512)])
+    assert isinstance(six.scale, grouped_matmul.Factored) and six.zero is None and six.group == 16
+    assert six.nbytes() * 8 / (32 * 512) == 8.625
+    assert torch.equal(six.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q6_K, (32, 512)))
+    x = torch.randn(2, 512)
+    _check_close(six.linear(x), x, six, torch.float32)
 
 
 # --- whole models: auto (each type in its form) gives the tokens of the dequantized file -----------

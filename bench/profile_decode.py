@@ -1,12 +1,17 @@
 """Where a decode step's time goes, at batch 1 (and small batches), against the machine's read bandwidth.
 
-    .venv/bin/python bench/profile_decode.py [--files NAME...] [--batches 1 4] [--steps 64] [--quick]
+    .venv/bin/python bench/profile_decode.py [--files NAME...] [--batches 1 4] [--paths native python]
+                                             [--steps 64] [--quick]
 
 For each GGUF file (bench/gguf_files.py names; default SmolLM2 Q4_0 and the random-weight
 Llama-3.2-1B shape in Q4_K_M) an engine is built in this process as `pagedserve serve` builds
 it (quantization auto, float32 activations), a batch of 64-token prompts is prefilled, then
-`--steps` decode steps are timed. Each part is timed in place by wrapping the function that
-does it (this process only; runtime/ is not edited):
+`--steps` decode steps are timed, each way the layers can run (`--paths`): the native decode step
+(runtime/model/native_decode.py: all layers in one C++ call) and the Python forward. On the
+Python forward each part is timed in place by wrapping the function that does it (this process
+only; runtime/ is not edited); in the native step the layers' parts come from its own clock
+(DecodeStep.set_profiling), and "python" is then the call's time outside them (embedding, the
+first norm, the call itself):
 
     matmul      every matmul (runtime.model.linear.linear): the layers' and the LM head's (compute_logits)
     attention   K/V writes and paged attention through the page tables (runtime.attention.paged_attention)
@@ -88,10 +93,13 @@ def weight_bytes_per_step(model) -> int:
     return total + model.config.hidden_size * 4
 
 
-def profile(name: str, batch: int, steps: int, bandwidth_gbs: float) -> dict:
+def profile(name: str, batch: int, steps: int, bandwidth_gbs: float, path: str) -> dict:
     engine = Engine.from_pretrained(gguf_path(name), quantization="auto", dtype="float32", num_blocks=512,
                                     max_num_seqs=max(16, batch))
     model, runner = engine.runner.model, engine.runner
+    if path == "python":
+        runner.native_decode = None
+    native = runner.native_decode  # None: the Python forward (or a model the native step does not serve)
     timer = PartTimer()
     timer.wrap(linear, "linear", "matmul")  # every matmul: the layers' (in the forward) and the LM head's
     timer.wrap(model, "compute_logits", "head")  # the LM head and its float copy, after the forward
@@ -99,7 +107,10 @@ def profile(name: str, batch: int, steps: int, bandwidth_gbs: float) -> dict:
     timer.wrap(fused_ops, "add_rms_norm", "norms")
     for op in ("rope_qkv", "silu_and_mul", "gelu_tanh_and_mul"):
         timer.wrap(fused_ops, op, "elementwise")
-    timer.wrap(model, "forward", "forward")  # instance attribute: nn.Module.__call__ finds it first
+    if native is not None:  # the layers' parts come from the step's own clock (DecodeStep.profile)
+        timer.wrap(native, "forward", "forward")
+    else:
+        timer.wrap(model, "forward", "forward")  # instance attribute: nn.Module.__call__ finds it first
     timer.wrap(runner, "execute", "execute")
     timer.wrap(engine, "step", "step")
     vocab = min(model.config.vocab_size, 32000)
@@ -111,9 +122,15 @@ def profile(name: str, batch: int, steps: int, bandwidth_gbs: float) -> dict:
     for _ in range(4):  # warm
         engine.step()
     timer.reset()
+    if native is not None:
+        native.step.set_profiling(True)
     for _ in range(steps):
         engine.step()
     timer.undo()
+    if native is not None:
+        for part, seconds in native.step.profile().items():
+            timer.seconds[part] += seconds
+        native.step.set_profiling(False)
     if engine.stats()["num_running"] != batch:
         raise RuntimeError("a sequence finished during the timed steps")
     s = {k: v / steps * 1e3 for k, v in timer.seconds.items()}  # ms per step
@@ -128,7 +145,8 @@ def profile(name: str, batch: int, steps: int, bandwidth_gbs: float) -> dict:
     kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     floor_ms = weights / (bandwidth_gbs * 1e9) * 1e3
     result = {
-        "file": name, "batch": batch, "steps": steps, "step_ms": s["step"],
+        "file": name, "path": "native" if native is not None else "python", "batch": batch, "steps": steps,
+        "step_ms": s["step"],
         "parts_ms": {k: round(parts[k], 3) for k in PARTS},
         "calls_per_step": {k: timer.calls[k] / steps for k in ("matmul", "attention", "norms", "elementwise")},
         "weight_mb_per_step": weights / 1e6, "kv_mb_per_step": kv_bytes / 1e6,
@@ -137,7 +155,7 @@ def profile(name: str, batch: int, steps: int, bandwidth_gbs: float) -> dict:
         "head_ms": s["head"],
         "outside_forward_pct": 100 * (parts["prepare"] + parts["engine"]) / s["step"],
     }
-    log(f"{name} batch {batch}: step {s['step']:.2f} ms (floor {floor_ms:.2f} ms, {100 * result['share_of_floor']:.0f}%) | "
+    log(f"{name} {result['path']} batch {batch}: step {s['step']:.2f} ms (floor {floor_ms:.2f} ms, {100 * result['share_of_floor']:.0f}%) | "
         + " ".join(f"{k} {parts[k]:.2f}" for k in PARTS))
     return result
 
@@ -148,6 +166,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 64; 16 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick); the median step's run")
+    parser.add_argument("--paths", nargs="+", choices=("native", "python"), default=["native", "python"],
+                        help="the native decode step (runtime/model/native_decode.py), the Python forward, or both")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     quick_mode(args.quick)
@@ -160,11 +180,13 @@ def main() -> None:
     rows = []
     for name in args.files:
         for batch in args.batches:
-            runs = sorted((profile(name, batch, steps, bandwidth) for _ in range(repeats)), key=lambda r: r["step_ms"])
-            rows.append(runs[len(runs) // 2])
+            for path in args.paths:
+                runs = sorted((profile(name, batch, steps, bandwidth, path) for _ in range(repeats)),
+                              key=lambda r: r["step_ms"])
+                rows.append(runs[len(runs) // 2])
     write_result("profile_decode", args.quick, {"machine": machine_info(), "read_bandwidth_gbs": bandwidth, "rows": rows})
     for r in rows:
-        print(f"{r['file']:20s} batch {r['batch']:2d} step {r['step_ms']:6.2f} ms  floor {r['floor_ms']:5.2f} ms "
+        print(f"{r['file']:20s} {r['path']:6s} batch {r['batch']:2d} step {r['step_ms']:6.2f} ms  floor {r['floor_ms']:5.2f} ms "
               f"({100 * r['share_of_floor']:3.0f}%)  " + "  ".join(f"{k} {r['parts_ms'][k]:.2f}" for k in PARTS))
 
 

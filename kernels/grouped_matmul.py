@@ -213,14 +213,18 @@ def kernel_call(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: 
                 portable: bool = False):
     """The C++ kernel (needs `available()`) for one weight, its arguments bound once (a decode step makes ~120
     calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int16 blocks."""
-    run, table, group = _extension(portable).grouped_matmul, _table(table), _group(codes, scale)
-    (scale, scale_units), (zero, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
+    run, arguments = _extension(portable).grouped_matmul, kernel_arguments(codes, scale, zero, table)
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        return run(x if x.is_contiguous() else x.contiguous(), codes, scale, scale_units, zero, zero_units, table,
-                   group)
+        return run(x if x.is_contiguous() else x.contiguous(), *arguments)
 
     return call
+
+
+def kernel_arguments(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None) -> tuple:
+    """The C++ kernel's arguments after x: (codes, scale, scale_units, zero, zero_units, table, group)."""
+    (scale_values, scale_units), (zero_values, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
+    return codes, scale_values, scale_units, zero_values, zero_units, _table(table), _group(codes, scale)
 
 
 def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Scales | None,

@@ -11,6 +11,7 @@ import torch
 import kernels
 from runtime.attention import AttentionMetadata
 from runtime.model.llama import LlamaForCausalLM
+from runtime.model.native_decode import NativeDecodeStep
 from runtime.scheduler import ScheduledBatch
 
 
@@ -45,6 +46,8 @@ class ModelRunner:
             config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=device
         )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+        # decode steps' layers in one C++ call where the model allows (None: the Python forward for every step)
+        self.native_decode = NativeDecodeStep.build(model, self.layer_caches, kernel_backend)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (every layer, K and V): copy-on-write for shared partial pages."""
@@ -115,7 +118,10 @@ class ModelRunner:
         """Run the batch: page copies first, then the forward; logits only for the rows that sample."""
         self.copy_blocks(batch.blocks_to_copy)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)  # [num_tokens, hidden_size]
+        if self.native_decode is not None and self.native_decode.serves(meta, input_ids.shape[0]):
+            hidden = self.native_decode.forward(input_ids, positions, meta)  # [num_tokens, hidden_size]
+        else:
+            hidden = self.model(input_ids, positions, self.layer_caches, meta)
         if sample_rows.shape[0] != hidden.shape[0]:  # else every token samples (a decode step): no gather
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden)

@@ -5,7 +5,9 @@ names, q/k rows permuted for Llama-family rope, each matrix in the asked ggml ty
 (gguf.quants encodes F16, BF16, Q8_0, Q4_0 and Q4_1; for the K-quants, which gguf cannot
 encode, random blocks with small finite scales stand in: any bytes are a valid K-quant), and
 stories260K's sentencepiece vocabulary with a ChatML template. Reading the file back is the
-job of the code under test and of transformers (the reference).
+job of the code under test and of transformers (the reference). `family_gguf` writes the test
+checkpoint of a further family so; `retyped` rewrites a file with each matrix in a type of its own
+(`q4_k_m_type`: llama.cpp's Q4_K_M mix), its blocks from `encoded_blocks`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from pathlib import Path
 
 import numpy as np
+
+from runtime.model import ggml_blocks
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -205,3 +209,103 @@ def write_gguf(path: Path, model, arch: str, type_name: str, tokenizer_model: Pa
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def encoded_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [rows, bytes] of `type_name`: gguf's own encoder where it has one, else valid random blocks."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+    if type_name in K_QUANT_BLOCK:
+        return random_k_quant_blocks(rows, cols, type_name, rng)
+    if type_name == "IQ4_NL":
+        return iq4_nl_blocks(values)
+    try:
+        return gguf.quants.quantize(values, qtype)
+    except NotImplementedError:  # any bytes are a valid block; a small finite f16 scale first where it sits
+        per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, size=(rows, cols // per_block, nbytes), dtype=np.uint8)
+        d = rng.uniform(1e-4, 1e-3, size=(rows, cols // per_block)).astype(np.float16)
+        blocks[..., 0:2] = d.view(np.uint8).reshape(rows, cols // per_block, 2)
+        return blocks.reshape(rows, -1)
+
+
+def iq4_nl_blocks(values: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of `values` (gguf has no encoder): d = max |v| / 127, each value's nearest d * kvalues[q]."""
+    rows, cols = values.shape
+    blocks = values.reshape(rows, cols // 32, 32)
+    d = (np.abs(blocks).max(-1) / 127).astype(np.float16)
+    levels = d.astype(np.float32)[..., None, None] * ggml_blocks.IQ4_VALUES.numpy().astype(np.float32)  # [.., 1, 16]
+    q = np.abs(blocks[..., None] - levels).argmin(-1).astype(np.uint8)  # [rows, nb, 32]
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate((d.view(np.uint8).reshape(rows, -1, 2), packed), axis=-1).reshape(rows, -1)
+
+
+def retyped(source, path, type_of, seed: int = 0):
+    """`source` (a GGUF file) rewritten with each matrix in type_of(tensor name) (None: as it is)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        type_name = type_of(tensor.name) if len(tensor.shape) == 2 else None
+        if type_name is None:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+            continue
+        values = np.array(tensor.data, dtype=np.float32)  # [rows, cols] (an F32 source)
+        blocks = encoded_blocks(type_name, *values.shape, rng) if type_name in K_QUANT_BLOCK else (
+            iq4_nl_blocks(values) if type_name == "IQ4_NL" else gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name]))
+        writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def q4_k_m_type(name: str) -> str:
+    """llama.cpp's Q4_K_M mix, roughly: Q6_K for v, down and the output, Q5_0 where rows fall back, Q4_K else."""
+    if ".attn_v." in name or ".ffn_down." in name or name == "output.weight":
+        return "Q6_K"
+    if ".attn_output." in name:
+        return "Q5_0"
+    if name == "token_embd.weight":
+        return "Q8_0"
+    return "Q4_K"
+
+
+GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3-longrope": "phi3", "llama3-rope": "llama"}
+
+
+def family_gguf(folder: Path, name: str, tmp_path: Path, type_name: str, tokenizer_model: Path) -> tuple[Path, Path]:
+    """(a Hugging Face folder, the GGUF file of `type_name` written from it) for the test checkpoint `name` (GGUF_ARCH).
+
+    llama.cpp keeps no query_pre_attn_scalar, nor Gemma 3's layer pattern: Gemma's files scale attention
+    by 1/sqrt(head_dim) (as every Gemma 2/3 but the 27B models does), and window five layers of six. The
+    test checkpoint's other scalar is set back first (and saved again, the folder returned), and Gemma 3's
+    is made again with 7 layers of the real pattern (layer 5 global).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import randomize_biases_and_norms
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if name == "gemma3":
+        config = AutoConfig.from_pretrained(folder)
+        config.num_hidden_layers, config.layer_types = 7, None
+        config = type(config)(**{k: v for k, v in config.to_dict().items() if k != "layer_types"})
+        torch.manual_seed(7)
+        model = randomize_biases_and_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    if getattr(model.config, "query_pre_attn_scalar", None) is not None:
+        model.config.query_pre_attn_scalar = model.config.head_dim
+        folder = tmp_path / f"{name}-folder"
+        model.save_pretrained(folder)
+    return folder, write_gguf(tmp_path / f"{name}-{type_name}.gguf", model, GGUF_ARCH[name], type_name, tokenizer_model)

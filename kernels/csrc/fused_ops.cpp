@@ -23,6 +23,7 @@
 
 #include "bindings.h"
 #include "cpu_math.h"
+#include "entry_points.h"
 
 namespace {
 
@@ -213,4 +214,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "residual += x; weight * rms_norm(residual) (CPU)");
   m.def("rope_qkv", &rope_qkv, kReleaseGil, "rotate-half RoPE of q and k out of fused qkv rows (CPU)");
   m.def("silu_and_mul", &silu_and_mul, kReleaseGil, "silu(gate) * up from fused gate_up rows (CPU)");
+  static const pagedserve::FusedOpsEntries entries{&add_rms_norm, &rope_qkv, &silu_and_mul};
+  m.attr("entry_points") = pagedserve::export_entries(&entries);
 }

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "entry_points.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define PAGEDSERVE_GROUPED_AVX2 1
@@ -804,4 +805,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x float32 [M, K] -> (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the AVX2/FMA path");
+  static const pagedserve::GroupedMatmulEntries entries{&grouped_matmul};
+  m.attr("entry_points") = pagedserve::export_entries(&entries);
 }

@@ -35,6 +35,7 @@
 
 #include "bindings.h"
 #include "cpu_math.h"
+#include "entry_points.h"
 
 namespace {
 
@@ -586,4 +587,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pagedserve::kReleaseGil;
   m.def("write_kv", &write_kv, kReleaseGil, "key/value rows into their slots of the paged caches (CPU)");
   m.def("paged_decode", &paged_decode, kReleaseGil, "Paged decode attention over [starts, ends) of each row's pages (CPU)");
+  static const pagedserve::PagedDecodeEntries entries{&paged_decode, &write_kv};
+  m.attr("entry_points") = pagedserve::export_entries(&entries);
 }

@@ -105,6 +105,10 @@ class GroupedWeight(QuantizedWeight):
     def _args(self) -> tuple:
         return self.codes, self.scale, self.zero, self.table
 
+    def kernel_arguments(self) -> tuple:
+        """The C++ kernel's arguments after x, as grouped_matmul.kernel_call passes them (the native decode step's)."""
+        return grouped_matmul.kernel_arguments(*self._args())
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ W.T (+ bias) -> [rows, out], in x's dtype (computed in float32)."""
         if self._kernel is None:

@@ -212,12 +212,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.embed_rows is None:
-            residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]; updated in place
-        else:
-            residual = self.embed_rows.rows(input_ids, self.norm.weight.dtype)
-        if self.embedding_scale is not None:
-            residual = residual * self.embedding_scale
+        residual = self.embed(input_ids)  # updated in place
         native = fused_ops.native_for(residual)
         normed = self.layers[0].input_layernorm.forward(None, residual, native)
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -226,6 +221,16 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = (self.local_rope_cos, self.local_rope_sin) if local else (self.rope_cos, self.rope_sin)
             normed = layer.forward(normed, residual, next_norm, positions, cos, sin, k_cache, v_cache, meta, native)
         return normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64 [num_tokens] -> [num_tokens, hidden_size]
+        """The rows of `input_ids` from the embedding table (a fresh tensor), scaled where the family scales them."""
+        if self.embed_rows is None:
+            residual = F.embedding(input_ids, self.embed_tokens)
+        else:
+            residual = self.embed_rows.rows(input_ids, self.norm.weight.dtype)
+        if self.embedding_scale is not None:
+            residual = residual * self.embedding_scale
+        return residual
 
     def linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(module, name) of every matmul weight: `{name}_weight`, `{name}_bias`, `{name}_packed` on the module."""

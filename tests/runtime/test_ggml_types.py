@@ -19,44 +19,13 @@ from runtime import Engine, SamplingParams
 from runtime.model import ggml_blocks, grouped
 from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
 from runtime.model.quantized import QuantizationError
-from tests.gguf_files import K_QUANT_BLOCK, random_k_quant_blocks, write_gguf
+from tests.gguf_files import encoded_blocks, q4_k_m_type, retyped, write_gguf
 
 GROUPED = ("Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 FORMS = {"Q4_0": "grouped4", "Q4_1": "grouped4", "IQ4_NL": "grouped4", "Q4_K": "grouped4", "IQ4_XS": "grouped4",
          "Q5_0": "grouped8", "Q5_1": "grouped8", "Q8_0": "grouped8", "Q5_K": "grouped8", "Q6_K": "grouped8"}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 45, 300, 22, 99, 7], [1] + list(range(60, 101))]
-
-
-def _encoded(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
-    """uint8 [rows, bytes] of `type_name`: gguf's own encoder where it has one, else valid random blocks."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[type_name]
-    values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
-    if type_name in K_QUANT_BLOCK:
-        return random_k_quant_blocks(rows, cols, type_name, rng)
-    if type_name == "IQ4_NL":
-        return _iq4_nl(values)
-    try:
-        return gguf.quants.quantize(values, qtype)
-    except NotImplementedError:  # any bytes are a valid block; a small finite f16 scale first where it sits
-        per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        blocks = rng.integers(0, 256, size=(rows, cols // per_block, nbytes), dtype=np.uint8)
-        d = rng.uniform(1e-4, 1e-3, size=(rows, cols // per_block)).astype(np.float16)
-        blocks[..., 0:2] = d.view(np.uint8).reshape(rows, cols // per_block, 2)
-        return blocks.reshape(rows, -1)
-
-
-def _iq4_nl(values: np.ndarray) -> np.ndarray:
-    """IQ4_NL blocks of `values` (gguf has no encoder): d = max |v| / 127, each value's nearest d * kvalues[q]."""
-    rows, cols = values.shape
-    blocks = values.reshape(rows, cols // 32, 32)
-    d = (np.abs(blocks).max(-1) / 127).astype(np.float16)
-    levels = d.astype(np.float32)[..., None, None] * ggml_blocks.IQ4_VALUES.numpy().astype(np.float32)  # [.., 1, 16]
-    q = np.abs(blocks[..., None] - levels).argmin(-1).astype(np.uint8)  # [rows, nb, 32]
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return np.concatenate((d.view(np.uint8).reshape(rows, -1, 2), packed), axis=-1).reshape(rows, -1)
 
 
 # --- reading: bit for bit with llama.cpp's reader ---------------------------------------------
@@ -70,7 +39,7 @@ def test_every_readable_type_dequantizes_bit_for_bit(type_name):
     per_block = gguf.GGML_QUANT_SIZES[qtype][0]
     shapes = [(1, 256), (7, 512), (33, 768)] + ([(5, 576), (3, 192)] if per_block == 32 else [])
     for rows, cols in shapes:
-        raw = _encoded(type_name, rows, cols, rng)
+        raw = encoded_blocks(type_name, rows, cols, rng)
         ours = ggml_blocks.dequantize(raw, int(qtype), (rows, cols))
         with np.errstate(all="ignore"):
             ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
@@ -83,7 +52,7 @@ def test_groups_hold_the_file_values(type_name):
     """codes * scale (+ zero) is dequantize's result bit for bit, and the codes are small integers."""
     rng = np.random.default_rng(1)
     qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
-    raw = _encoded(type_name, 6, 512, rng)
+    raw = encoded_blocks(type_name, 6, 512, rng)
     groups = ggml_blocks.unpack_groups(raw, qtype, 6, 512)
     assert groups.group == (16 if type_name == "Q6_K" else 32)
     assert (groups.table is not None) == (FORMS[type_name] == "grouped4")
@@ -117,7 +86,7 @@ def test_grouped_matmul_agrees_with_dequantize_then_matmul(type_name, dtype):
     widths = (512, 768) if ggml_blocks.BLOCK_VALUES[qtype] == 256 else (576, 192)
     for out_features, in_features in ((37, widths[0]), (130, widths[1])):
         weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(
-            _encoded(type_name, out_features, in_features, rng), qtype, out_features, in_features)])
+            encoded_blocks(type_name, out_features, in_features, rng), qtype, out_features, in_features)])
         for rows in (1, 3, 9, 17, 40):
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features) if dtype == torch.float32 else None  # bfloat16: one rounding, not two
@@ -127,7 +96,7 @@ def test_grouped_matmul_agrees_with_dequantize_then_matmul(type_name, dtype):
 def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
     monkeypatch.setattr(grouped_matmul, "available", lambda: False)
     rng = np.random.default_rng(3)
-    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(_encoded("Q4_K", 45, 512, rng), ggml_blocks.Q4_K,
+    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(encoded_blocks("Q4_K", 45, 512, rng), ggml_blocks.Q4_K,
                                                                   45, 512)])
     x = torch.randn(5, 512)
     _check_close(weight.linear(x), x, weight, torch.float32, rounded=False)
@@ -135,7 +104,7 @@ def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
 
 def test_rows_are_the_file_values():
     rng = np.random.default_rng(4)
-    raw = _encoded("Q6_K", 20, 256, rng)
+    raw = encoded_blocks("Q6_K", 20, 256, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 20, 256)])
     ids = torch.tensor([3, 0, 19, 3])
     assert torch.equal(weight.rows(ids, torch.float32), ggml_blocks.dequantize(raw, ggml_blocks.Q6_K, (20, 256))[ids])
@@ -147,7 +116,7 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
     different kinds are never stacked into one form."""
     rng = np.random.default_rng(5)
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 16)]
-    raws = [(_encoded(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
+    raws = [(encoded_blocks(name, rows, 256, rng), int(ggml_blocks.GGMLQuantizationType[name]), rows) for name, rows in parts]
     groups = [ggml_blocks.unpack_groups(raw, qtype, rows, 256) for raw, qtype, rows in raws]
     weight = GroupedWeight.from_groups(groups)
     expected = torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws])
@@ -170,12 +139,12 @@ def test_k_quant_scales_stay_factored_and_small():
     """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
     weight, not 6, and Q6_K's: 8.625; the values are the file's."""
     rng = np.random.default_rng(6)
-    raw = _encoded("Q4_K", 64, 512, rng)
+    raw = encoded_blocks("Q4_K", 64, 512, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q4_K, 64, 512)])
     assert isinstance(weight.scale, grouped_matmul.Factored) and isinstance(weight.zero, grouped_matmul.Factored)
     assert weight.nbytes() * 8 / (64 * 512) == 4.75
     assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q4_K, (64, 512)))
-    raw = _encoded("Q6_K", 32, 512, rng)
+    raw = encoded_blocks("Q6_K", 32, 512, rng)
     six = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 32, 512)])
     assert isinstance(six.scale, grouped_matmul.Factored) and six.zero is None and six.group == 16
     assert six.nbytes() * 8 / (32 * 512) == 8.625
@@ -197,45 +166,6 @@ def _hf_model(tied: bool):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _retyped(source, path, type_of, seed: int = 0):
-    """`source` (a GGUF file) rewritten with each matrix in type_of(tensor name) (None: as it is)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for tensor in reader.tensors:
-        type_name = type_of(tensor.name) if len(tensor.shape) == 2 else None
-        if type_name is None:
-            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-            continue
-        values = np.array(tensor.data, dtype=np.float32)  # [rows, cols] (an F32 source)
-        blocks = _encoded(type_name, *values.shape, rng) if type_name in K_QUANT_BLOCK else (
-            _iq4_nl(values) if type_name == "IQ4_NL" else gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name]))
-        writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _q4_k_m(name: str) -> str:
-    """llama.cpp's Q4_K_M mix, roughly: Q6_K for v, down and the output, Q5_0 where rows fall back, Q4_K else."""
-    if ".attn_v." in name or ".ffn_down." in name or name == "output.weight":
-        return "Q6_K"
-    if ".attn_output." in name:
-        return "Q5_0"
-    if name == "token_embd.weight":
-        return "Q8_0"
-    return "Q4_K"
-
-
 @pytest.fixture(scope="module")
 def f32_files(tmp_path_factory, stories_dir):
     folder = tmp_path_factory.mktemp("ggml-types")
@@ -251,8 +181,8 @@ def _greedy(engine):
                                             ("Q6_K", True), ("IQ4_NL", False), ("Q4_0", True), ("mixed", False)])
 def test_auto_gives_the_tokens_of_the_dequantized_file(f32_files, type_name, tied):
     folder, sources = f32_files
-    type_of = _q4_k_m if type_name == "mixed" else (lambda name: type_name)
-    path = _retyped(sources[tied], folder / f"{type_name}-{tied}.gguf", type_of)
+    type_of = q4_k_m_type if type_name == "mixed" else (lambda name: type_name)
+    path = retyped(sources[tied], folder / f"{type_name}-{tied}.gguf", type_of)
     with structlog.testing.capture_logs() as logs:
         auto = Engine.from_pretrained(path, quantization="auto", num_blocks=64, block_size=8)
     dense = Engine.from_pretrained(path, quantization="none", num_blocks=64, block_size=8)

@@ -16,11 +16,10 @@ from runtime import Engine, SamplingParams
 from runtime.model.gguf_file import GGUFCheckpoint
 from runtime.model.rope import inverse_frequencies
 from runtime.model.config import load_model_config
-from tests.conftest import REPO, hf_greedy, randomize_biases_and_norms
-from tests.gguf_files import write_gguf
+from tests.conftest import REPO, hf_greedy
+from tests.gguf_files import GGUF_ARCH, family_gguf, write_gguf
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3-longrope": "phi3", "llama3-rope": "llama"}
 ATTENTION = {"gemma2": "eager"}
 
 
@@ -29,34 +28,9 @@ def _prompts(name: str) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (5, 37)]
 
 
-def _written(random_checkpoints, stories_dir, tmp_path, name):
-    """(the Hugging Face folder, the GGUF file written from it).
-
-    llama.cpp keeps no query_pre_attn_scalar, nor Gemma 3's layer pattern: Gemma's files scale attention
-    by 1/sqrt(head_dim) (as every Gemma 2/3 but the 27B models does), and window five layers of six. The
-    test checkpoints' other scalar is set back first, and Gemma 3's is made again with 7 layers of the
-    real pattern (layer 5 global).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = random_checkpoints[name]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if name == "gemma3":
-        config = AutoConfig.from_pretrained(folder)
-        config.num_hidden_layers, config.layer_types = 7, None
-        config = type(config)(**{k: v for k, v in config.to_dict().items() if k != "layer_types"})
-        torch.manual_seed(7)
-        model = randomize_biases_and_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    if getattr(model.config, "query_pre_attn_scalar", None) is not None:
-        model.config.query_pre_attn_scalar = model.config.head_dim
-        folder = tmp_path / f"{name}-folder"
-        model.save_pretrained(folder)
-    return folder, write_gguf(tmp_path / f"{name}.gguf", model, GGUF_ARCH[name], "F32", stories_dir / "tokenizer.model")
-
-
 @pytest.mark.parametrize("name", list(GGUF_ARCH))
 def test_gguf_family_matches_transformers(random_checkpoints, stories_dir, tmp_path, name):
-    folder, path = _written(random_checkpoints, stories_dir, tmp_path, name)
+    folder, path = family_gguf(random_checkpoints[name], name, tmp_path, "F32", stories_dir / "tokenizer.model")
     built = Engine.from_pretrained(path, quantization="none", num_blocks=64, block_size=8)
     ours = [o.outputs[0].token_ids for o in built.generate(_prompts(name), GREEDY)]
     assert ours == hf_greedy(folder, _prompts(name), GREEDY.max_tokens, ATTENTION.get(name, "sdpa"))
@@ -65,7 +39,7 @@ def test_gguf_family_matches_transformers(random_checkpoints, stories_dir, tmp_p
 @pytest.mark.parametrize("name", list(GGUF_ARCH))
 def test_gguf_family_config_equals_the_folders(random_checkpoints, stories_dir, tmp_path, name):
     """What the file's metadata (and llama.cpp's fixed rules) say is what config.json says."""
-    folder, path = _written(random_checkpoints, stories_dir, tmp_path, name)
+    folder, path = family_gguf(random_checkpoints[name], name, tmp_path, "F32", stories_dir / "tokenizer.model")
     from_file, from_folder = GGUFCheckpoint(path).model_config(), load_model_config(folder)
     same = ("model_type", "hidden_act", "qk_norm", "sandwich_norms", "norm_weight_offset", "embedding_scale",
             "attention_scale", "attn_logit_softcap", "final_logit_softcap", "layer_windows", "local_rope_theta",
@@ -123,11 +97,11 @@ def llama_cpp_source() -> Path:
 
 
 def _folder(random_checkpoints, stories_dir, tmp_path, name) -> Path:
-    """A Hugging Face folder llama.cpp's converter reads (sentencepiece vocabulary); Gemma as in _written."""
+    """A Hugging Face folder llama.cpp's converter reads (sentencepiece vocabulary); Gemma as in tests/gguf_files.family_gguf."""
     from transformers import AutoModelForCausalLM
 
     if name == "gemma3-pattern":  # the real layer pattern, which the converter does not write down
-        folder, _ = _written(random_checkpoints, stories_dir, tmp_path, "gemma3")
+        folder, _ = family_gguf(random_checkpoints["gemma3"], "gemma3", tmp_path, "F32", stories_dir / "tokenizer.model")
     else:
         folder = random_checkpoints[name]
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -655,7 +655,11 @@ struct MatmulKernel {
             const int64_t rows_end = std::min(m, row0 + chunk);
             for (int64_t o = first; o < last; o += kQuad) {
               row_blocks(row0, rows_end, [&](auto rows, int64_t r) {
-                dot_quad<decltype(rows)::value, G, kFour, kZero, kNib>(wt, o, a, r, out + r * n + o, n);
+                constexpr int R = decltype(rows)::value;
+                // as in the row loop below: at 4 rows and more the shift's add per row costs more than the
+                // shared table lookup (the same integers either way)
+                constexpr int kRowsNib = R >= 4 && kNib == kShifted ? kLookup : kNib;
+                dot_quad<R, G, kFour, kZero, kRowsNib>(wt, o, a, r, out + r * n + o, n);
               });
             }
           }

@@ -332,6 +332,55 @@ void dot_rows(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
 
 #ifdef PAGEDSERVE_GROUPED_AVX512
 
+// zero_term for rows [0, R) (their sums at sum + r * stride) and the kQuad outputs [n, n + kQuad), each
+// (row, output) with zero_term's lanes, order and tree (so the same bits), two outputs a register: the four
+// outputs' zeros are made float32 once (a factored zero exactly as zero_term makes it) into `zeros`, pair p's
+// eight groups from 8j side by side at [(2j + p) * 16], and then each row takes one fma per pair and 8 groups
+// where zero_term took 8 groups' conversion and one fma per output
+template <int R>
+void quad_zero_terms(const GroupScales& zero, int64_t n, const float* sum, int64_t stride, std::vector<float>& zeros,
+                     float (*terms)[kQuad]) {
+  const int64_t groups = zero.groups, runs = groups / 8;  // whole runs of 8 groups; a factored zero has no tail
+  zeros.resize(static_cast<size_t>(runs * kQuad * 8));
+  for (int o = 0; o < kQuad; ++o) {
+    float* to = zeros.data() + (o / 2) * 16 + (o % 2) * 8;
+    if (zero.floats != nullptr) {
+      const float* row = zero.floats + zero.at(n + o);
+      for (int64_t j = 0; j < runs; ++j) _mm256_storeu_ps(to + j * 32, _mm256_loadu_ps(row + j * 8));
+    } else {
+      const int8_t* row = zero.ints + zero.at(n + o);
+      const float* unit = zero.units + zero.unit_at(n + o);
+      for (int64_t j = 0, in_unit = 0; j < runs; ++j) {
+        const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j * 8)));
+        _mm256_storeu_ps(to + j * 32, _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(*unit)));
+        if ((in_unit += 8) == zero.per_unit) {
+          in_unit = 0;
+          ++unit;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* s = sum + r * stride;
+    __m512 z[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t j = 0; j < runs; ++j) {
+      const __m512 sums = _mm512_broadcast_f32x8(_mm256_loadu_ps(s + j * 8));  // both halves: groups 8j..8j+7
+      z[0] = _mm512_fmadd_ps(_mm512_loadu_ps(zeros.data() + j * 32), sums, z[0]);
+      z[1] = _mm512_fmadd_ps(_mm512_loadu_ps(zeros.data() + j * 32 + 16), sums, z[1]);
+    }
+    float lanes[kQuad][8];
+    _mm512_storeu_ps(lanes[0], z[0]);
+    _mm512_storeu_ps(lanes[2], z[1]);
+    for (int o = 0; o < kQuad; ++o) {
+      if (zero.floats != nullptr) {  // the tail past the whole runs, lane by lane as zero_term does
+        const float* row = zero.floats + zero.at(n + o);
+        for (int64_t g = runs * 8; g < groups; ++g) lanes[o][g & 7] = __builtin_fmaf(row[g], s[g], lanes[o][g & 7]);
+      }
+      terms[r][o] = reduce_lanes(lanes[o]);
+    }
+  }
+}
+
 // rows [0, R) of the activations against the kQuad outputs [n, n + kQuad) of the quad layout ->
 // out[r * ldo + o], AVX-512: two outputs a register, the low 256 bits output 2p's lanes and the high ones
 // output 2p+1's, each lane the integers and the float steps of dot_rows<1> (so the same bits), with VNNI's
@@ -408,12 +457,17 @@ void dot_quad(const Weight& wt, int64_t n, const Activations& a, int64_t row, fl
       }
     }
   }
+  float terms[R][kQuad];
+  if constexpr (kZero && R > 1) {  // one row: zero_term per output below (making the float zeros costs more there)
+    thread_local std::vector<float> zeros;  // quad_zero_terms' float zeros, grown to the longest row seen
+    quad_zero_terms<R>(wt.zero, n, a.sum + row * a.groups, a.groups, zeros, terms);
+  }
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < kQuad; ++o) {
       const __m512 pair = acc[r][o / 2];
       float total = reduce(o % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))
                                  : _mm512_castps512_ps256(pair));
-      if constexpr (kZero) total += zero_term(wt.zero, n + o, a.sum + (row + r) * a.groups);
+      if constexpr (kZero) total += R > 1 ? terms[r][o] : zero_term(wt.zero, n + o, a.sum + (row + r) * a.groups);
       out[r * ldo + o] = total;
     }
   }

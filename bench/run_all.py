@@ -48,6 +48,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "apis": ["bench_apis.py"],
     "responses_cache": ["bench_responses_cache.py"],
     "ggml_types": ["bench_ggml_types.py"],
+    "grouped_rows": ["bench_grouped_rows.py"],
     "gguf_speed": ["bench_gguf_speed.py"],
     "kld": ["bench_kld.py"],
     "profile_speculative": ["profile_speculative.py"],

@@ -35,8 +35,9 @@
 // A weight in the quad layout (4 outputs' groups side by side: one stream of memory) runs dot_quad: each
 // row's block, d and shift lanes loaded once per group for 4 outputs. With AVX-512 (F + BW) two outputs
 // share a register (VNNI's vpdpwssd where the CPU has it) and a block of up to 8 rows shares each group's
-// decoded codes; AVX2 and plain builds run dot_quad for one row and the row loops past it. Every lane holds
-// the integers and float steps of dot_rows, so all builds still give the same bits.
+// decoded codes and the quad's zeros made float once (quad_zero_terms: each row's zero terms two outputs a
+// register); AVX2 and plain builds run dot_quad for one row and the row loops past it. Every lane holds the
+// integers and float steps of dot_rows, so all builds still give the same bits.
 
 #include <torch/extension.h>
 

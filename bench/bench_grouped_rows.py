@@ -1,0 +1,86 @@
+"""What one more row costs the grouped kernel (kernels/grouped_matmul.py), per GGUF type: the batch's price.
+
+    .venv/bin/python bench/bench_grouped_rows.py [--types Q4_0 Q4_K ...] [--rows 1 4 8 16 64] [--quick]
+
+A decode step of 16 streams, and a prompt's prefill, run every weight against many rows at once;
+past ~8 rows the kernel is bound by its arithmetic per row (integer dot products and one float
+step per group), not by the weights' bytes. For each type, the shapes of Llama-3.2-1B's gate_up
+(8192x2048) and down (2048x8192) as GroupedWeights of random valid blocks, in copies that
+together exceed the last-level cache (cold weights, as in a step), one `linear` per copy, per row
+count: ms a call and ms a row (the best of 3 passes; 2 threads). Results:
+bench/results/grouped_rows.json, with this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import log, machine_info, pin_threads, quick_mode, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.gguf_files import encoded_blocks  # noqa: E402  (valid random blocks of any type)
+
+from runtime.model import ggml_blocks  # noqa: E402
+from runtime.model.grouped import GroupedWeight  # noqa: E402
+
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
+SHAPES = ((8192, 2048), (2048, 8192))  # Llama-3.2-1B's gate_up and down, [out, in]
+COPIES_BYTES = 256 << 20  # weights held in copies: cold, as a step finds them
+
+
+def _copies(type_name: str, n: int, k: int, budget: int, rng) -> list[GroupedWeight]:
+    qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
+    first = GroupedWeight.from_groups([ggml_blocks.unpack_groups(encoded_blocks(type_name, n, k, rng), qtype, n, k)])
+    count = max(2, budget // first.nbytes())
+    return [first] + [GroupedWeight.from_groups([ggml_blocks.unpack_groups(encoded_blocks(type_name, n, k, rng), qtype,
+                                                                           n, k)]) for _ in range(count - 1)]
+
+
+def measure(copies: list[GroupedWeight], rows: int, passes: int = 3) -> float:
+    """Seconds of one call at `rows` rows: the best pass over all the copies."""
+    x = torch.randn(rows, copies[0].in_features)
+    copies[0].linear(x)
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        for weight in copies:
+            weight.linear(x)
+        best = min(best, (time.perf_counter() - start) / len(copies))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="+", default=list(TYPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16, 64])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    quick_mode(args.quick)
+    pin_threads()
+    rng = np.random.default_rng(0)
+    budget = COPIES_BYTES // (8 if args.quick else 1)
+    results = []
+    for type_name in args.types:
+        for n, k in SHAPES:
+            copies = _copies(type_name, n, k, budget, rng)
+            for rows in args.rows:
+                seconds = measure(copies, rows)
+                results.append({"type": type_name, "out": n, "in": k, "rows": rows, "ms": seconds * 1e3,
+                                "ms_per_row": seconds * 1e3 / rows, "weight_gbs": copies[0].nbytes() / seconds / 1e9})
+                log(f"{type_name} {n}x{k} rows {rows:3d}: {seconds * 1e3:7.3f} ms, {seconds * 1e3 / rows:.3f} ms a row")
+    write_result("grouped_rows", args.quick, {"machine": machine_info(), "rows": results})
+    print(f"{'type':6s} {'shape':10s} " + " ".join(f"{r:>9d}" for r in args.rows) + "   (ms a row)")
+    for type_name in args.types:
+        for n, k in SHAPES:
+            cells = [r["ms_per_row"] for r in results if r["type"] == type_name and (r["out"], r["in"]) == (n, k)]
+            print(f"{type_name:6s} {f'{n}x{k}':10s} " + " ".join(f"{c:9.3f}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@
 Each engine runs the same requests twice, once with the native step and once without it, and every
 row of logits the two produce must be equal bit for bit: through batching, a prefix-cache hit,
 speculative verification rows, rows sharing a prefix (a cascade: the shared pages read once), and
-each family's parts (Qwen3's q/k norms, Gemma 3's sandwich norms, GeGLU, scaled embeddings and
-windowed layers with their own rope, a Q4_K_M mix's split q/k/v).
+each family's parts (Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's sandwich norms, GeGLU,
+scaled embeddings and windowed layers with their own rope, a Q4_K_M mix's split q/k/v).
 """
 
 import numpy as np
@@ -41,10 +41,14 @@ def _llama_q4_k_m(tmp_path, stories_dir):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, random_checkpoints, stories_dir):
+    from transformers import AutoModelForCausalLM
+
     folder = tmp_path_factory.mktemp("native-decode")
     tokenizer = stories_dir / "tokenizer.model"
+    qwen2 = AutoModelForCausalLM.from_pretrained(random_checkpoints["qwen2"], dtype=torch.float32)  # q/k/v biases
     return {
         "llama-q4_k_m": _llama_q4_k_m(folder, stories_dir),
+        "qwen2-q8_0": write_gguf(folder / "qwen2-q8_0.gguf", qwen2, "qwen2", "Q8_0", tokenizer),
         "qwen3-q8_0": family_gguf(random_checkpoints["qwen3"], "qwen3", folder, "Q8_0", tokenizer)[1],
         "gemma3-q4_0": family_gguf(random_checkpoints["gemma3"], "gemma3", folder, "Q4_0", tokenizer)[1],
     }
@@ -90,7 +94,7 @@ def _same_bits(make_engine, prompt_sets) -> list[list[tuple[int, bool]]]:
     return [served for _, _, served in ours]
 
 
-@pytest.mark.parametrize("name", ["llama-q4_k_m", "qwen3-q8_0", "gemma3-q4_0"])
+@pytest.mark.parametrize("name", ["llama-q4_k_m", "qwen2-q8_0", "qwen3-q8_0", "gemma3-q4_0"])
 def test_native_step_gives_the_python_forwards_bits(files, name):
     with structlog.testing.capture_logs() as logs:
         engine = Engine.from_pretrained(files[name], quantization="auto", num_blocks=96, block_size=16)
@@ -99,6 +103,8 @@ def test_native_step_gives_the_python_forwards_bits(files, name):
     model = engine.runner.model
     if name == "llama-q4_k_m":  # Q4_K q and k beside a Q6_K v: a split qkv
         assert isinstance(model.layers[0].self_attn.qkv_packed, SplitGroupedWeight)
+    if name == "qwen2-q8_0":  # biases on q, k and v, added after the grouped matmul
+        assert model.layers[0].self_attn.qkv_bias is not None
     if name == "gemma3-q4_0":  # windowed and global layers, each with its rope
         assert len(model.config.windows) == 2 and model.local_rope_cos is not None
     # batched decodes; two prompts sharing SHARED's pages, which decode through a cascade; then a prefix-cache

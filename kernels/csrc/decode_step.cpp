@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -130,26 +131,23 @@ class DecodeStep {
 
   void add_layer(const py::dict& spec) {
     Layer layer;
-    layer.qkv = Matmul(spec, "qkv");
-    layer.o = Matmul(spec, "o");
-    layer.gate_up = Matmul(spec, "gate_up");
-    layer.down = Matmul(spec, "down");
-    layer.post_attention_norm = spec["post_attention_norm"].cast<Tensor>();
-    layer.next_norm = spec["next_norm"].cast<Tensor>();
-    layer.q_norm = optional_tensor(spec, "q_norm");
-    layer.k_norm = optional_tensor(spec, "k_norm");
-    layer.attn_output_norm = optional_tensor(spec, "attn_output_norm");
-    layer.mlp_output_norm = optional_tensor(spec, "mlp_output_norm");
-    layer.k_cache = spec["k_cache"].cast<Tensor>();
-    layer.v_cache = spec["v_cache"].cast<Tensor>();
+    const std::pair<Matmul Layer::*, const char*> matmuls[] = {
+        {&Layer::qkv, "qkv"}, {&Layer::o, "o"}, {&Layer::gate_up, "gate_up"}, {&Layer::down, "down"}};
+    for (const auto& [member, key] : matmuls) layer.*member = Matmul(spec, key);
+    const std::pair<Tensor Layer::*, const char*> required[] = {
+        {&Layer::post_attention_norm, "post_attention_norm"}, {&Layer::next_norm, "next_norm"},
+        {&Layer::k_cache, "k_cache"}, {&Layer::v_cache, "v_cache"}};
+    for (const auto& [member, key] : required) layer.*member = spec[key].cast<Tensor>();
+    const std::pair<Tensor Layer::*, const char*> optional[] = {  // None where the family has none
+        {&Layer::q_norm, "q_norm"}, {&Layer::k_norm, "k_norm"}, {&Layer::attn_output_norm, "attn_output_norm"},
+        {&Layer::mlp_output_norm, "mlp_output_norm"}};
+    for (const auto& [member, key] : optional) layer.*member = optional_tensor(spec, key);
     layer.window_index = spec["window_index"].cast<int64_t>();
     layer.local_rope = spec["local_rope"].cast<bool>();
     layer.gelu = spec["gelu"].cast<bool>();
     TORCH_CHECK_VALUE(layer.q_norm.defined() == layer.k_norm.defined(), "q and k norms come together");
     layers_.push_back(std::move(layer));
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // profiling on (the parts' seconds zeroed) or off; the seconds each part took since it was turned on
   void set_profiling(bool on) {
@@ -164,8 +162,9 @@ class DecodeStep {
 
   // residual float32 [tokens, hidden] (the embedded rows; updated in place) -> the final norm of the last
   // residual [tokens, hidden]. positions, slot_mapping int64 [tokens]; per distinct window of the layers
-  // (tables int32 [tokens, max_blocks], starts, ends int32 [tokens]); cos, sin float32 [positions, head_dim],
-  // and the local layers' own (empty where none).
+  // (tables int32 [tokens, max_blocks], starts, ends int32 [tokens], and the shared prefixes: none, or
+  // with_shared_prefixes' six); cos, sin float32 [positions, head_dim], and the local-rope layers' own (read
+  // only by layers marked local_rope: any tables where none is).
   Tensor forward(Tensor residual, const Tensor& positions, const Tensor& slot_mapping,
                  const std::vector<Tensor>& tables, const std::vector<Tensor>& starts, const std::vector<Tensor>& ends,
                  const std::vector<std::vector<Tensor>>& shared, const Tensor& cos, const Tensor& sin,
@@ -298,7 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<const py::capsule&, const py::capsule&, const py::capsule&, const py::dict&, const Tensor&>())
       .def("add_layer", &DecodeStep::add_layer, "one decoder layer's weights, norms, caches and kind (a dict)")
-      .def("num_layers", &DecodeStep::num_layers)
       .def("set_profiling", &DecodeStep::set_profiling, "time each part of the layers from now on (or stop)")
       .def("profile", &DecodeStep::profile, "seconds per part (matmul, attention, norms, elementwise) while profiling")
       .def("forward", &DecodeStep::forward, kReleaseGil,

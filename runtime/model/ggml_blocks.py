@@ -23,8 +23,8 @@ Every such value is `code * scale + zero` of a group: the code a small integer, 
 zero float32 as ggml computes them (d * sc in float32 is exact: an 11-bit f16 times a <= 8-bit
 integer; the K-quants' and IQ4_XS's stay so factored, sc int8 per group and d per 256 values:
 kernels/grouped_matmul.Factored, multiplied out to the same floats); code * scale is exact too
-(<= 24 significant bits), so the one rounding is the addition, as in ggml. `Groups.values` and `dequantize` therefore give llama.cpp's float32
-bits; other types are handed to `gguf.quants` (bit for bit by definition). `unpack_q4` and
+(<= 24 significant bits), so the one rounding is the addition, as in ggml. `Groups.values` and
+`dequantize` therefore give llama.cpp's float32 bits; other types are handed to `gguf.quants` (bit for bit by definition). `unpack_q4` and
 `unpack_q8_0` give the Q4_0/Q4_1 and Q8_0 integers and block scales for the int4/int8 forms.
 """
 

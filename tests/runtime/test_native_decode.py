@@ -54,7 +54,10 @@ def files(tmp_path_factory, random_checkpoints, stories_dir):
     }
 
 
-def _run(engine: Engine, native: bool, prompt_sets) -> list[tuple[list[torch.Tensor], list[list[int]], list[int]]]:
+Served = list[tuple[int, bool]]  # per step the native step served: its rows, and whether rows shared prefix pages
+
+
+def _run(engine: Engine, native: bool, prompt_sets) -> list[tuple[list[torch.Tensor], list[list[int]], Served]]:
     """Per set of prompts, generated in turn: (every logits row computed, the outputs' tokens, per step the
     native step served: its rows, and whether rows shared prefix pages)."""
     runner = engine.runner
@@ -81,7 +84,7 @@ def _run(engine: Engine, native: bool, prompt_sets) -> list[tuple[list[torch.Ten
     return results
 
 
-def _same_bits(make_engine, prompt_sets) -> list[list[tuple[int, bool]]]:
+def _same_bits(make_engine, prompt_sets) -> list[Served]:
     """Runs the sets of prompts in turn on a new engine with the native step, and on one without it; every
     logits row must be equal. Returns, per set, the steps the native step served (_run's)."""
     ours = _run(make_engine(), True, prompt_sets)

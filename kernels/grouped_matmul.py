@@ -15,22 +15,22 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     of 32 to a unit). The product is exact in float32, so both forms give the same values; the
     factored one takes 8 + 32 / P bits a group instead of 32 (Q4_K: 4.75 bits a weight, not 6).
 
-    The quad layout (to_quads; N a multiple of QUAD) keeps the same bytes with the groups of 4
-    outputs side by side, so a decode step's one row reads 4 outputs as one stream of memory:
-    codes [N / 4, K // G, 4, group bytes] and scale [N / 4, K // G, 4] (a Factored one's units
-    [N / 4, K // (G P), 4]); zero stays [N, K // G].
-    Every function here takes either layout. The kernel's one-row loop over it takes 4 outputs per load
-    of the row's block (two to a register with AVX-512) and prefetches the weight stream: ~2x the row
-    layout's speed at one row on an AMX Xeon (BENCHMARKS.md section 23), to the same bits.
+    The panel layout (to_panels; N a multiple of PANEL, what the models use) keeps the same integers
+    with 16 outputs' groups interleaved, so that one 64-byte load holds 8 inputs (4-bit) or 4 inputs
+    (8-bit) of each of 16 outputs and unpacks in registers into one output per 32-bit lane (the byte
+    order: kernels/csrc/grouped_matmul.cpp): codes [N / 16, K // G, 16 * group bytes], scale and zero
+    [N / 16, K // G, 16] (a Factored one's units [N / 16, K // (G P), 16]). Every function here takes
+    either layout; to_rows and select_rows give the row layout back.
 
     reference  grouped_values (the weight in any float dtype; float32: exactly the file's values),
                grouped_matmul_reference: x @ W.T in float64
     kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int16 per block of G inputs
                (d = max|x| / 32767: 2^-16 of the block's largest value; quantize_activations, and its
                torch twin activation_blocks_reference, bit for bit), each group's integer dot product
-               exact (vpmaddwd), then one fma per group and 8 lanes reduced by a fixed tree: a row's
-               result does not depend on the rows beside it, and the AVX2 and plain builds agree to
-               the bit. (llama.cpp rounds activations to int8 per 32: 2^-8.)
+               exact (vpmaddwd / vpdpwssd), then one fma per group into the lane of the group's number
+               mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart): a row's
+               result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
+               plain builds agree to the bit. (llama.cpp rounds activations to int8 per 32: 2^-8.)
                grouped_unpack: rows [start, end) of W in float32
     check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
@@ -44,7 +44,7 @@ import torch
 
 from kernels import cpu_extension
 
-QUAD = 4  # outputs side by side per group in the quad layout
+PANEL = 16  # outputs side by side per group in the panel layout
 UNPACK_BLOCK_VALUES = 1 << 21  # weights made at a time by the torch path (8 MiB of float32)
 ACTIVATION_MAX = 32767.0  # the kernel's activations: int16 in [-32767, 32767] per block
 
@@ -70,8 +70,8 @@ def _table(table: torch.Tensor | None) -> torch.Tensor:
 
 class Factored(NamedTuple):
     """Group scales (or zeros) as int8 times a float32 unit per `per_unit` groups, in a weight's layout."""
-    ints: torch.Tensor  # int8 [N, groups] (rows) or [N / 4, groups, 4] (quads)
-    units: torch.Tensor  # float32 [N, groups // per_unit] or [N / 4, groups // per_unit, 4]
+    ints: torch.Tensor  # int8 [N, groups] (rows) or [N / 16, groups, 16] (panels)
+    units: torch.Tensor  # float32 [N, groups // per_unit] or [N / 16, groups // per_unit, 16]
 
     @property
     def per_unit(self) -> int:
@@ -116,53 +116,89 @@ def scales_nbytes(scale: Scales | None) -> int:
     return scale.nbytes() if isinstance(scale, Factored) else 4 * scale.numel()
 
 
-def _quads_of(values: torch.Tensor) -> torch.Tensor:  # [N, count] -> [N / 4, count, 4]
+def _panels_of(values: torch.Tensor) -> torch.Tensor:  # [N, count] -> [N / 16, count, 16]
     n, count = values.shape
-    return values.view(n // QUAD, QUAD, count).transpose(1, 2).contiguous()
+    return values.view(n // PANEL, PANEL, count).transpose(1, 2).contiguous()
 
 
-def _rows_of(values: torch.Tensor) -> torch.Tensor:  # [N / 4, count, 4] -> [N, count]
-    quads, count = values.shape[:2]
-    return values.transpose(1, 2).reshape(quads * QUAD, count)
+def _rows_of(values: torch.Tensor) -> torch.Tensor:  # [N / 16, count, 16] -> [N, count]
+    panels, count = values.shape[:2]
+    return values.transpose(1, 2).reshape(panels * PANEL, count)
 
 
-def to_quads(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
-    """Row-layout codes [N, bytes] and scale [N, groups] in the quad layout (N a multiple of QUAD)."""
+def _ints_of(codes: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """Row-layout codes as one byte per input, uint8 [N, groups, G]: nibbles (4-bit) or int8 codes' bytes."""
+    if codes.dtype == torch.uint8:  # per 32 inputs: 16 low nibbles, then 16 high
+        pairs = codes.view(n, groups, 16)
+        return torch.stack((pairs & 0x0F, pairs >> 4), dim=-2).view(n, groups, 32)
+    return codes.view(torch.uint8).view(n, groups, -1)
+
+
+def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """Row-layout codes [N, bytes], scale and zero [N, groups] in the panel layout (N a multiple of PANEL)."""
     n, groups = _shape(scale)
-    if n % QUAD:
-        raise ValueError(f"the quad layout needs a multiple of {QUAD} outputs, not {n}")
-    quads = codes.view(n // QUAD, QUAD, groups, -1).transpose(1, 2).contiguous()  # [N / 4, groups, 4, bytes]
-    return quads, each(scale, _quads_of)
+    if n % PANEL or codes.dim() != 2:
+        raise ValueError(f"the panel layout takes row-layout codes of a multiple of {PANEL} outputs, not {tuple(codes.shape)}")
+    four = codes.dtype == torch.uint8
+    ints = _ints_of(codes, n, groups)  # uint8 [N, groups, G]
+    group = ints.shape[2]
+    # output 4c + t's input 8j + 4h + 2s + e (4-bit) or 4j + 2s + e (8-bit) -> load j, byte 16c + 8s + 2t + e
+    # (nibble h): [N / 16, c, t, groups, j, (h,) s, e] -> [N / 16, groups, j, c, s, t, e (, h)]
+    if four:
+        placed = ints.view(n // PANEL, 4, 4, groups, group // 8, 2, 2, 2).permute(0, 3, 4, 1, 6, 2, 7, 5)
+        placed = placed[..., 0] | (placed[..., 1] << 4)
+    else:
+        placed = ints.view(n // PANEL, 4, 4, groups, group // 4, 2, 2).permute(0, 3, 4, 1, 5, 2, 6)
+    panel_codes = placed.reshape(n // PANEL, groups, -1).contiguous()
+    if not four:
+        panel_codes = panel_codes.view(torch.int8)
+    return panel_codes, each(scale, _panels_of), None if zero is None else each(zero, _panels_of)
 
 
-def to_rows(codes: torch.Tensor, scale: Scales) -> tuple[torch.Tensor, Scales]:
-    """Codes and scale in the row layout, from either layout (rows come back as they are)."""
+def to_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None = None) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """Codes, scale and zero in the row layout, from either layout (rows come back as they are)."""
     if codes.dim() == 2:
-        return codes, scale
-    quads = codes.shape[0]
-    return (codes.transpose(1, 2).reshape(quads * QUAD, -1),  # [N, bytes]
-            each(scale, _rows_of))  # [N, groups]
+        return codes, scale, zero
+    count, groups = codes.shape[:2]
+    n = count * PANEL
+    four = codes.dtype == torch.uint8
+    data = codes.view(torch.uint8)
+    if four:  # [N / 16, groups, j, c, s, t, e] bytes -> nibbles h -> [N / 16, c, t, groups, j, h, s, e]
+        placed = data.view(count, groups, -1, 4, 2, 4, 2)
+        nibbles = torch.stack((placed & 0x0F, placed >> 4), dim=-1)  # [..., e, h]
+        ints = nibbles.permute(0, 3, 5, 1, 2, 7, 4, 6).reshape(n, groups, 32)
+        row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(n, -1).contiguous()
+    else:  # [N / 16, groups, j, c, s, t, e] -> [N / 16, c, t, groups, j, s, e]
+        placed = data.view(count, groups, -1, 4, 2, 4, 2)
+        row_codes = placed.permute(0, 3, 5, 1, 2, 4, 6).reshape(n, -1).contiguous().view(torch.int8)
+    return row_codes, each(scale, _rows_of), None if zero is None else each(zero, _rows_of)
 
 
-def select_rows(codes: torch.Tensor, scale: Scales, ids: torch.Tensor) -> tuple[torch.Tensor, Scales]:
-    """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale [R, groups]."""
+def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
+                ids: torch.Tensor) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale and zero [R, groups]."""
     if codes.dim() == 2:
-        return codes[ids], each(scale, lambda values: values[ids])
-    picked = codes[ids // QUAD, :, ids % QUAD].reshape(len(ids), -1)
-    return picked, each(scale, lambda values: values[ids // QUAD, :, ids % QUAD])
+        pick = lambda values: values[ids]  # noqa: E731
+        return codes[ids], each(scale, pick), None if zero is None else each(zero, pick)
+    panels, inverse = torch.unique(ids // PANEL, return_inverse=True)  # each panel wanted, made rows once
+    picked = lambda values: values[panels]  # noqa: E731
+    rows = to_rows(codes[panels], each(scale, picked), None if zero is None else each(zero, picked))
+    at = inverse * PANEL + ids % PANEL  # [R]: each id's row among the panels' rows
+    pick = lambda values: values[at]  # noqa: E731
+    return rows[0][at], each(rows[1], pick), None if rows[2] is None else each(rows[2], pick)
 
 
 def _shape(scale: Scales) -> tuple[int, int]:
     """(N, groups) of scales in the row layout."""
     values = scale.ints if isinstance(scale, Factored) else scale
-    return (values.shape[0] * QUAD if values.dim() == 3 else values.shape[0]), values.shape[1]
+    return (values.shape[0] * PANEL if values.dim() == 3 else values.shape[0]), values.shape[1]
 
 
 def _group(codes: torch.Tensor, scale: Scales) -> int:
     """G: inputs per group of the weight, in either layout."""
     if codes.dtype == torch.uint8:
         return 32
-    return codes.shape[3] if codes.dim() == 4 else codes.shape[1] // _shape(scale)[1]
+    return codes.shape[2] // PANEL if codes.dim() == 3 else codes.shape[1] // _shape(scale)[1]
 
 
 def _kernel_scales(scale: Scales | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,15 +211,11 @@ def _kernel_scales(scale: Scales | None) -> tuple[torch.Tensor, torch.Tensor]:
 def grouped_values(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:  # dtype [N, K]
     """The weight's values computed in `dtype` (float32: one rounding per weight, the file's values exactly)."""
-    codes, scale = to_rows(codes, scale)
+    codes, scale, zero = to_rows(codes, scale, zero)
     scale, zero = floats(scale), floats(zero)
     n, groups = scale.shape
-    if codes.dtype == torch.uint8:  # nibbles, per 32 inputs: 16 low, then 16 high
-        pairs = codes.view(n, groups, 16)
-        nibbles = torch.stack((pairs & 0x0F, pairs >> 4), dim=-2).view(n, groups, 32)
-        ints = table[nibbles.long()]
-    else:
-        ints = codes.view(n, groups, -1)
+    ints = _ints_of(codes, n, groups)  # uint8 [N, groups, G]
+    ints = table[ints.long()] if codes.dtype == torch.uint8 else ints.view(torch.int8)
     values = ints.to(dtype) * scale.to(dtype)[..., None]
     if zero is not None:
         values = values + zero.to(dtype)[..., None]
@@ -201,10 +233,10 @@ def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: Scales, ze
     """x float32 [M, K] @ W.T by torch ops: W made in blocks of output rows, each multiplied by torch's matmul."""
     scale, zero = floats(scale), floats(zero)
     k = x.shape[1]
-    per = QUAD if codes.dim() == 4 else 1  # outputs per first index of codes and scale
+    per = PANEL if codes.dim() == 3 else 1  # outputs per first index of codes, scale and zero
     step = max(1, UNPACK_BLOCK_VALUES // (k * per))  # in first indices
     parts = [x @ grouped_values(codes[start:start + step], scale[start:start + step],
-                                None if zero is None else zero[start * per:(start + step) * per], table).T
+                                None if zero is None else zero[start:start + step], table).T
              for start in range(0, codes.shape[0], step)]
     return torch.cat(parts, dim=1)
 

@@ -82,9 +82,9 @@ class GroupedWeight(QuantizedWeight):
         else:
             self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
         self.scale = _contiguous(groups.scale)  # float32 [out, in // group], or Factored
-        if out_features % grouped_matmul.QUAD == 0:  # a decode step reads 4 outputs as one stream
-            self.codes, self.scale = grouped_matmul.to_quads(self.codes, self.scale)
         self.zero = None if groups.zero is None else _contiguous(groups.zero)
+        if out_features % grouped_matmul.PANEL == 0:  # 16 outputs a vector in the kernel's loops
+            self.codes, self.scale, self.zero = grouped_matmul.to_panels(self.codes, self.scale, self.zero)
         self.form = "grouped4" if self.table is not None else "grouped8"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
@@ -127,8 +127,7 @@ class GroupedWeight(QuantizedWeight):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
         ids = ids.reshape(-1).cpu()
-        zero = None if self.zero is None else grouped_matmul.each(self.zero, lambda values: values[ids])
-        codes, scale = grouped_matmul.select_rows(self.codes, self.scale, ids)
+        codes, scale, zero = grouped_matmul.select_rows(self.codes, self.scale, self.zero, ids)
         return grouped_matmul.grouped_values(codes, scale, zero, self.table).to(dtype)
 
     def nbytes(self) -> int:

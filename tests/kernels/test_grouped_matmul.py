@@ -5,9 +5,10 @@ outside the bound; the unpack gives the reference's values bit for bit; the torc
 
 Bound: the weights are the file's float32 values exactly (checked by the unpack) and the activations
 are their int16 blocks (q d, checked against the torch reference), so ref = (q d) @ W.T in float64 and
-the only error is float32 arithmetic: per group one exact integer sum, one rounded scale product
-(dw d) and one fma into its lane, K / G fmas a lane, a tree of 8 lanes, the zero term's own sum and
-its addition: |out - ref| <= (K / G + 6) * 2^-24 * (|q d| @ (|W - zero| + |zero|).T) per output
+the only error is float32 arithmetic: per group one exact integer sum, its conversion to float (exact
+below 2^24), one rounded scale product (dw d) and one fma into lane g mod 8, K / (8 G) fmas a lane, a
+tree of 8 lanes, the zero terms' own lanes and tree, and their addition; a loose bound of it all:
+|out - ref| <= (K / G + 6) * 2^-24 * (|q d| @ (|W - zero| + |zero|).T) per output
 (1.4e-6 of that magnitude at K = 576). A wrong nibble moves one product by a whole step of the table, a
 wrong scale (a K-quant's 6-bit sc one off: 1/64) a whole group's 32 products: ~1e-3 and more. Against x
 unrounded, the rounding adds at most sum_k |W[n, k]| d(k) / 2, d(k) <= 2^-15 of its block's largest |x|.
@@ -186,44 +187,51 @@ def test_the_torch_path_agrees(kind):
         (kind[1] / 8 + 3) * 2**-24
 
 
-# every kind of KINDS again with a multiple of 4 outputs (and 8-output blocks split unevenly between threads)
-QUAD_KINDS = [(36, 576, "iq4_nl", 32, True), (132, 192, "q4_0", 32, False), (44, 576, "int8", 32, True),
-              (20, 512, "int8", 16, False), (40, 576, "q4_1", 32, True), (64, 192, "q4_0", 32, True)]
+# every kind of KINDS again with a multiple of 16 outputs (the panel layout; KINDS' are not: the row loops)
+PANEL_KINDS = [(48, 576, "iq4_nl", 32, True), (144, 192, "q4_0", 32, False), (48, 576, "int8", 32, True),
+               (32, 512, "int8", 16, False), (48, 576, "q4_1", 32, True), (64, 192, "q4_0", 32, True)]
 
 
-@pytest.mark.parametrize("kind", QUAD_KINDS, ids=lambda k: "x".join(map(str, k)))
-def test_the_quad_layout_gives_the_row_layouts_bits(kind):
-    """The same bytes with 4 outputs' groups side by side: one row (the decode loop of 4 outputs at once)
-    and many rows (the row loops) give the row layout's bits, in both builds; the layout converts both ways."""
+@pytest.mark.parametrize("kind", PANEL_KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_the_panel_layout_gives_the_row_layouts_bits(kind):
+    """The same bytes with 16 outputs' groups interleaved (one vector of outputs a load): any row count
+    gives the row layout's bits, in both builds; the layout converts both ways; rows are picked from it."""
     codes, scale, zero, table = weight = _weight(*kind, seed=31)
-    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
-    quads = (quad_codes, quad_scale, zero, table)
-    back = grouped_matmul.to_rows(quad_codes, quad_scale)
+    panel_codes, panel_scale, panel_zero = grouped_matmul.to_panels(codes, scale, zero)
+    panels = (panel_codes, panel_scale, panel_zero, table)
+    back = grouped_matmul.to_rows(panel_codes, panel_scale, panel_zero)
     assert torch.equal(back[0], codes) and torch.equal(back[1], scale)
-    ids = torch.tensor([kind[0] - 1, 0, 5, 6, 5])
-    picked = grouped_matmul.select_rows(quad_codes, quad_scale, ids)
+    assert (back[2] is None) if zero is None else torch.equal(back[2], zero)
+    ids = torch.tensor([kind[0] - 1, 0, 5, 17, 5])
+    picked = grouped_matmul.select_rows(panel_codes, panel_scale, panel_zero, ids)
     assert torch.equal(picked[0], codes[ids]) and torch.equal(picked[1], scale[ids])
+    assert (picked[2] is None) if zero is None else torch.equal(picked[2], zero[ids])
     for rows in ROWS:
         x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 1))
-        out = grouped_matmul.grouped_matmul(x, *quads)
+        out = grouped_matmul.grouped_matmul(x, *panels)
         assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight))
-        assert torch.equal(grouped_matmul.grouped_matmul(x, *quads, portable=True), out)
+        assert torch.equal(grouped_matmul.grouped_matmul(x, *panels, portable=True), out)
         assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
-    assert torch.equal(grouped_matmul.grouped_unpack(*quads, 3, kind[0] - 2), grouped_matmul.grouped_values(*weight)[3:-2])
-    assert torch.equal(grouped_matmul.grouped_values(*quads), grouped_matmul.grouped_values(*weight))
+    assert torch.equal(grouped_matmul.grouped_unpack(*panels, 3, kind[0] - 2), grouped_matmul.grouped_values(*weight)[3:-2])
+    assert torch.equal(grouped_matmul.grouped_values(*panels), grouped_matmul.grouped_values(*weight))
     x = torch.randn(3, kind[1])
-    assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *quads), grouped_matmul.grouped_matmul_torch(x, *weight))
+    assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *panels), grouped_matmul.grouped_matmul_torch(x, *weight))
 
 
-def test_a_wrong_nibble_in_the_quad_layout_fails_the_check():
-    codes, scale, zero, table = weight = _weight(40, 576, "q4_0", 32, False, seed=37)
-    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
-    x = torch.randn(1, 576)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, weight) <= \
-        _bound(576, 32)
-    quad_codes[2, 5, 3, 7] ^= 0x10  # output 11's group 5: one high nibble one step off
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, weight) > \
-        10 * _bound(576, 32)
+@pytest.mark.parametrize("code_kind", ["q4_0", "int8"])
+def test_a_wrong_code_in_the_panel_layout_fails_the_check(code_kind):
+    codes, scale, zero, table = weight = _weight(48, 576, code_kind, 32, False, seed=37)
+    panel_codes, panel_scale, _ = grouped_matmul.to_panels(codes, scale, zero)
+    for rows in (1, 9):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, zero, table), x, weight) <= \
+            _bound(576, 32)
+        wrong = panel_codes.clone()
+        wrong.view(torch.uint8)[0, 5, 39] ^= 0x10  # load 0, byte 16c + 2t + 1 with c = 2, t = 3: output 11's
+        moved = (grouped_matmul.to_rows(wrong, panel_scale)[0] != codes).nonzero()
+        assert moved[:, 0].tolist() == [11] and 5 * codes.shape[1] // 18 <= moved[0, 1] < 6 * codes.shape[1] // 18
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, wrong, panel_scale, zero, table), x, weight) > \
+            10 * _bound(576, 32)
 
 
 def _factored(out_features, in_features, code_kind, group, zero, per_unit, seed):
@@ -242,21 +250,21 @@ def _factored(out_features, in_features, code_kind, group, zero, per_unit, seed)
 
 
 # (out, in, codes, group, zero, groups per unit): Q4_K's shape (units per 8 groups of 32), Q6_K's (16 of 16),
-# a multiple of 4 outputs and not
-FACTORED_KINDS = [(40, 512, "q4_1", 32, True, 8), (37, 512, "q4_1", 32, True, 8), (20, 1536, "int8", 16, False, 16),
+# a multiple of 16 outputs (the panel layout) and not
+FACTORED_KINDS = [(48, 512, "q4_1", 32, True, 8), (37, 512, "q4_1", 32, True, 8), (32, 1536, "int8", 16, False, 16),
                   (44, 256, "iq4_nl", 32, False, 8), (36, 512, "int8", 16, True, 16), (12, 768, "q4_0", 32, True, 24)]
 
 
 @pytest.mark.parametrize("kind", FACTORED_KINDS, ids=lambda k: "x".join(map(str, k)))
 def test_factored_scales_give_the_float_scales_bits(kind):
     """int8 scales and zeros times a unit per run of groups are the same floats (the product is exact), so
-    every loop (one row, row blocks, the quad layout, the plain build, the unpack, the torch path) gives
+    every loop (one row, row blocks, the panel layout, the plain build, the unpack, the torch path) gives
     the float form's bits, and stays within the float64 bound."""
     factored, floats = _factored(*kind, seed=41)
     layouts = [(factored, floats)]
-    if kind[0] % grouped_matmul.QUAD == 0:
-        layouts.append(((*grouped_matmul.to_quads(*factored[:2]), *factored[2:]),
-                        (*grouped_matmul.to_quads(*floats[:2]), *floats[2:])))
+    if kind[0] % grouped_matmul.PANEL == 0:
+        layouts.append(((*grouped_matmul.to_panels(*factored[:3]), factored[3]),
+                        (*grouped_matmul.to_panels(*floats[:3]), floats[3])))
     for weight, twin in layouts:
         assert torch.equal(grouped_matmul.grouped_values(*weight), grouped_matmul.grouped_values(*twin))
         for rows in (1, 2, 5, 9, 17):
@@ -269,24 +277,27 @@ def test_factored_scales_give_the_float_scales_bits(kind):
                            grouped_matmul.grouped_values(*floats)[1:])
         x = torch.randn(3, kind[1])
         assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *weight), grouped_matmul.grouped_matmul_torch(x, *twin))
-    picked = grouped_matmul.select_rows(*layouts[-1][0][:2], torch.tensor([3, 0, 3]))
-    assert torch.equal(picked[1].floats(), floats[1][[3, 0, 3]])
+    ids = [3, 0, kind[0] - 1, 3]
+    picked = grouped_matmul.select_rows(*layouts[-1][0][:3], torch.tensor(ids))
+    assert torch.equal(picked[1].floats(), floats[1][ids])
+    assert (picked[2] is None) if floats[2] is None else torch.equal(picked[2].floats(), floats[2][ids])
 
 
 def test_one_wrong_factored_int_or_unit_fails_the_check():
-    (codes, scale, zero, table), floats = _factored(40, 512, "q4_1", 32, True, 8, seed=43)
-    quad_codes, quad_scale = grouped_matmul.to_quads(codes, scale)
+    (codes, scale, zero, table), floats = _factored(48, 512, "q4_1", 32, True, 8, seed=43)
+    panel_codes, panel_scale, panel_zero = grouped_matmul.to_panels(codes, scale, zero)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(47))
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, zero, table), x, floats) <= \
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, panel_zero, table), x, floats) <= \
         _bound(512, 32)
-    ints = quad_scale.ints.clone()
-    ints[2, 5, 3] += 1  # output 11's group 5: its sc one step off
-    wrong = grouped_matmul.Factored(ints, quad_scale.units)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, wrong, zero, table), x, floats) > 10 * _bound(512, 32)
-    units = zero.units.clone()
-    units[7, 1] *= 1.125  # output 7's second unit of zeros (dmin) off by an eighth
-    wrong = grouped_matmul.Factored(zero.ints, units)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, quad_codes, quad_scale, wrong, table), x, floats) > \
+    ints = panel_scale.ints.clone()
+    ints[0, 5, 11] += 1  # output 11's group 5: its sc one step off
+    wrong = grouped_matmul.Factored(ints, panel_scale.units)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, wrong, panel_zero, table), x, floats) > \
+        10 * _bound(512, 32)
+    units = panel_zero.units.clone()
+    units[1, 1, 7] *= 1.125  # output 23's second unit of zeros (dmin) off by an eighth
+    wrong = grouped_matmul.Factored(panel_zero.ints, units)
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, wrong, table), x, floats) > \
         10 * _bound(512, 32)
 
 

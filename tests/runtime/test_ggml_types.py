@@ -68,9 +68,10 @@ def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
     group = weight.group
     inputs = grouped_matmul.rounded_activations(x, group) if rounded else x.double()
     ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
-    values = grouped_matmul.grouped_values(weight.codes, weight.scale, None, weight.table, dtype=torch.float64).abs()
-    if weight.zero is not None:
-        values = values + grouped_matmul.floats(weight.zero).double().abs().repeat_interleave(group, dim=1)
+    codes, scale, zero = grouped_matmul.to_rows(weight.codes, weight.scale, weight.zero)
+    values = grouped_matmul.grouped_values(codes, scale, None, weight.table, dtype=torch.float64).abs()
+    if zero is not None:
+        values = values + grouped_matmul.floats(zero).double().abs().repeat_interleave(group, dim=1)
     magnitude = inputs.abs() @ values.T
     steps = (x.shape[1] / group + 6) if rounded else (x.shape[1] / 8 + 3)
     bound = steps * 2**-24 * magnitude + (2**-8 if dtype == torch.bfloat16 else 2**-24) * ref.abs()

@@ -12,7 +12,7 @@ on each quantized file; its "Mean KLD" line. Ours, the same method: chunks of 51
 starting with BOS; the second half of each chunk scored (rows 256..510, each predicting the next
 token); KLD(p_f32 || p_file) per row, averaged. Our float32 reference is the F32 file served
 dense in float32; each quantized file is served as `pagedserve serve` would (quantization auto,
-dtype auto). Results: bench/results/kld.json.
+the server's default dtype, `engine.dtype`: float32). Results: bench/results/kld.json.
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=list(TYPES))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    from config.settings import EngineSettings
+
+    served_dtype = EngineSettings().dtype  # what `pagedserve serve` runs a file in unless told otherwise
     f32 = gguf_path("smollm2-F32")
     ids = llama_cpp_ids(f32)
     base, tokenizer = our_logprobs(f32, ids, "none", "float32")
@@ -86,7 +89,7 @@ def main() -> None:
         for type_name in args.types:
             path = gguf_path(f"smollm2-{type_name}")
             theirs = llama_cpp_kld(path, base_file, make_base=False)
-            logprobs, _ = our_logprobs(path, ids, "auto", "auto")
+            logprobs, _ = our_logprobs(path, ids, "auto", served_dtype)
             ours = float((base.exp() * (base - logprobs)).sum(-1).mean())
             result["types"][type_name] = {"ours": ours, "llama.cpp": theirs,
                                           "ratio": ours / theirs if theirs else None}

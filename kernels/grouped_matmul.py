@@ -176,16 +176,24 @@ def to_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None = None) -> t
 
 def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
                 ids: torch.Tensor) -> tuple[torch.Tensor, Scales, Scales | None]:
-    """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale and zero [R, groups]."""
+    """Outputs `ids` [R] of either layout, in the row layout: codes [R, bytes], scale and zero [R, groups].
+
+    From panels, only each id's own bytes are gathered (an embedding lookup from a tied head, every step)."""
     if codes.dim() == 2:
         pick = lambda values: values[ids]  # noqa: E731
         return codes[ids], each(scale, pick), None if zero is None else each(zero, pick)
-    panels, inverse = torch.unique(ids // PANEL, return_inverse=True)  # each panel wanted, made rows once
-    picked = lambda values: values[panels]  # noqa: E731
-    rows = to_rows(codes[panels], each(scale, picked), None if zero is None else each(zero, picked))
-    at = inverse * PANEL + ids % PANEL  # [R]: each id's row among the panels' rows
-    pick = lambda values: values[at]  # noqa: E731
-    return rows[0][at], each(rows[1], pick), None if rows[2] is None else each(rows[2], pick)
+    count, groups = codes.shape[:2]
+    panel, output = ids // PANEL, ids % PANEL  # [R] each; output 4c + t
+    four = codes.dtype == torch.uint8
+    data = codes.view(torch.uint8).view(count, groups, -1, 4, 2, 4, 2)  # [N / 16, groups, j, c, s, t, e]
+    own = data[panel, :, :, output // 4, :, output % 4, :]  # [R, groups, j, s, e]
+    if four:  # input 8j + 4h + 2s + e: [R, groups, j, s, e, h] -> [R, groups, j, h, s, e]
+        ints = torch.stack((own & 0x0F, own >> 4), dim=-1).permute(0, 1, 2, 5, 3, 4).reshape(len(ids), groups, 32)
+        row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(len(ids), -1)
+    else:  # input 4j + 2s + e: already in order
+        row_codes = own.reshape(len(ids), -1).view(torch.int8)
+    pick = lambda values: values[panel, :, output]  # noqa: E731  [N / 16, count, 16] -> [R, count]
+    return row_codes, each(scale, pick), None if zero is None else each(zero, pick)
 
 
 def _shape(scale: Scales) -> tuple[int, int]:

@@ -103,12 +103,16 @@ def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
     _check_close(weight.linear(x), x, weight, torch.float32, rounded=False)
 
 
-def test_rows_are_the_file_values():
+@pytest.mark.parametrize("type_name, rows", [("Q6_K", 20), ("Q6_K", 48), ("Q4_K", 48), ("Q4_0", 32)])
+def test_rows_are_the_file_values(type_name, rows):
+    """An embedding lookup from a tied head's table, in the row layout (20 outputs) or panels (a multiple of 16)."""
     rng = np.random.default_rng(4)
-    raw = encoded_blocks("Q6_K", 20, 256, rng)
-    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 20, 256)])
-    ids = torch.tensor([3, 0, 19, 3])
-    assert torch.equal(weight.rows(ids, torch.float32), ggml_blocks.dequantize(raw, ggml_blocks.Q6_K, (20, 256))[ids])
+    qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
+    raw = encoded_blocks(type_name, rows, 256, rng)
+    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, rows, 256)])
+    assert weight.codes.dim() == (3 if rows % 16 == 0 else 2)
+    ids = torch.tensor([3, 0, rows - 1, 3, 17])
+    assert torch.equal(weight.rows(ids, torch.float32), ggml_blocks.dequantize(raw, qtype, (rows, 256))[ids])
 
 
 def test_a_matrix_stacked_from_different_types_keeps_every_value():

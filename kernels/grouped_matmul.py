@@ -10,6 +10,9 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     scale  float32 [N, K // G]        G = 32 (4-bit codes: always), or 16
     zero   float32 [N, K // G], or None (no zero term at all)
 
+    A scale or zero may be float16 where that holds each value exactly (narrowed: the f16 that Q4_0,
+    Q4_1, Q5_x, Q8_0 and IQ4_NL store; half the bytes, the same values).
+
     A scale or zero may instead be Factored, as the K-quants store them: int8 [N, K // G] times a
     float32 unit per run of P groups, units [N, K // (G P)], P a multiple of 8 (Q4_K: d * sc, 8 groups
     of 32 to a unit). The product is exact in float32, so both forms give the same values; the
@@ -87,7 +90,7 @@ class Factored(NamedTuple):
         return self.ints.numel() + 4 * self.units.numel()
 
 
-Scales = torch.Tensor | Factored  # a weight's scales or zeros: float32 per group, or factored
+Scales = torch.Tensor | Factored  # a weight's scales or zeros: float32 or float16 per group, or factored
 
 
 def factor(ints: torch.Tensor, units: torch.Tensor) -> Factored:
@@ -101,19 +104,31 @@ def factor(ints: torch.Tensor, units: torch.Tensor) -> Factored:
 
 
 def each(scale: Scales, fn) -> Scales:
-    """fn applied to float32 scales, or to both tensors of a Factored (a layout change, a selection of outputs)."""
+    """fn applied to float scales, or to both tensors of a Factored (a layout change, a selection of outputs)."""
     return scale.map(fn) if isinstance(scale, Factored) else fn(scale)
 
 
 def floats(scale: Scales | None) -> torch.Tensor | None:
-    """Scales or zeros as float32 in their layout (a Factored one multiplied out: exact)."""
-    return scale.floats() if isinstance(scale, Factored) else scale
+    """Scales or zeros as float32 in their layout (a Factored or float16 one made float32: exact)."""
+    if scale is None:
+        return None
+    return scale.floats() if isinstance(scale, Factored) else scale.float()
+
+
+def narrowed(scale: Scales | None) -> Scales | None:
+    """float32 scales or zeros as float16 where float16 holds every one exactly (the same values in half
+    the bytes), else as they are."""
+    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32:
+        half = scale.half()
+        if torch.equal(half.float(), scale):
+            return half
+    return scale
 
 
 def scales_nbytes(scale: Scales | None) -> int:
     if scale is None:
         return 0
-    return scale.nbytes() if isinstance(scale, Factored) else 4 * scale.numel()
+    return scale.nbytes() if isinstance(scale, Factored) else scale.element_size() * scale.numel()
 
 
 def _panels_of(values: torch.Tensor) -> torch.Tensor:  # [N, count] -> [N / 16, count, 16]
@@ -210,7 +225,7 @@ def _group(codes: torch.Tensor, scale: Scales) -> int:
 
 
 def _kernel_scales(scale: Scales | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, units) as the C++ kernel takes them: float32 and no units, int8 and units, or none."""
+    """(values, units) as the C++ kernel takes them: float32 or float16 and no units, int8 and units, or none."""
     if scale is None:
         return _NONE, _NONE
     return (scale.ints, scale.units) if isinstance(scale, Factored) else (scale, _NONE)

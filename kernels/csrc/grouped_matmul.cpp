@@ -3,8 +3,9 @@
 //   value[n][k] = int(code[n][k]) * scale[n][k / G] (+ zero[n][k / G])
 //
 // codes are 4-bit (a nibble read through a 16-entry int8 table) or 8-bit (int8); scale and zero are
-// float32 per group, or factored as the K-quants store them (an int8 per group times a float32 unit per
-// run of groups: the same floats). G = 32 (or 16 for 8-bit codes). The weights are the file's: the
+// float32 per group, float16 per group (where that holds them exactly, as the f16 of Q4_0 or Q8_0 is),
+// or factored as the K-quants store them (an int8 per group times a float32 unit per run of groups): the
+// same floats in every form. G = 32 (or 16 for 8-bit codes). The weights are the file's: the
 // integers and scales as stored, nothing rounded again.
 //
 // The activations are rounded to int16, per block of G inputs (one block per weight group):
@@ -56,7 +57,7 @@
 #include "bindings.h"
 #include "entry_points.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_GROUPED_AVX2 1
 #include <immintrin.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -78,20 +79,24 @@ constexpr float kActivationMax = 32767.0f;      // int16 activations: q in [-327
 // integers, as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0] * (sum of q)
 enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2 };
 
-// A weight's scales, or its zeros, in one of two forms: float32 per group, or factored as the K-quants
-// store them, an int8 per group times a float32 unit per run of `per_unit` groups (Q4_K's d * sc: an
-// 11-bit f16 times a 6-bit integer). The product is exact in float32, so both forms give the same floats.
+// A weight's scales, or its zeros, in one of three forms: float32 per group; float16 per group (the f16
+// that Q4_0, Q8_0, Q5_x and IQ4_NL store, kept where float16 holds every value exactly: the same floats
+// in half the bytes); or factored as the K-quants store them, an int8 per group times a float32 unit per
+// run of `per_unit` groups (Q4_K's d * sc: an 11-bit f16 times a 6-bit integer). The product is exact in
+// float32, so every form gives the same floats.
 struct GroupScales {
-  const float* floats;  // output n's group g at [at(n) + g * panel] (nullptr: factored, or none)
-  const int8_t* ints;   // factored: the same place
+  const float* floats;    // output n's group g at [at(n) + g * panel] (nullptr: float16, factored, or none)
+  const uint16_t* halves; // float16 bits: the same place
+  const int8_t* ints;     // factored: the same place
   const float* units;   // factored: output n's unit u at [unit_at(n) + u * panel]
   int64_t groups, per_unit, panel;  // per_unit: groups to a unit (factored); panel: 1 (rows) or kPanel
 
-  bool present() const { return floats != nullptr || ints != nullptr; }
+  bool present() const { return floats != nullptr || halves != nullptr || ints != nullptr; }
   int64_t at(int64_t n) const { return (n / panel) * groups * panel + n % panel; }
   int64_t unit_at(int64_t n) const { return (n / panel) * (groups / per_unit) * panel + n % panel; }
   float value(int64_t n, int64_t g) const {  // output n's group g
     if (floats != nullptr) return floats[at(n) + g * panel];
+    if (halves != nullptr) return static_cast<float>(c10::Half(halves[at(n) + g * panel], c10::Half::from_bits()));
     return units[unit_at(n) + (g / per_unit) * panel] * static_cast<float>(ints[at(n) + g * panel]);
   }
 };
@@ -249,6 +254,7 @@ inline VecF int8_floats(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline VecF to_floats(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecF half_floats(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF add(VecF a, VecF b) { return _mm512_add_ps(a, b); }
@@ -282,6 +288,7 @@ inline VecF int8_floats(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline VecF to_floats(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecF half_floats(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF add(VecF a, VecF b) { return _mm256_add_ps(a, b); }
@@ -298,6 +305,7 @@ class PanelWalk {
  public:
   PanelWalk(const GroupScales& s, int64_t panel, int64_t slice)
       : floats_(s.floats != nullptr ? s.floats + panel * s.groups * kPanel + slice * kLanes : nullptr),
+        halves_(s.halves != nullptr ? s.halves + panel * s.groups * kPanel + slice * kLanes : nullptr),
         ints_(s.ints != nullptr ? s.ints + panel * s.groups * kPanel + slice * kLanes : nullptr),
         units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
         per_unit_(s.per_unit) {}
@@ -309,6 +317,11 @@ class PanelWalk {
       floats_ += kPanel;
       return v;
     }
+    if (halves_ != nullptr) {
+      v = half_floats(halves_);
+      halves_ += kPanel;
+      return v;
+    }
     v = mul(load_floats(units_), int8_floats(ints_));
     ints_ += kPanel;
     if (++in_unit_ == per_unit_) {
@@ -318,11 +331,13 @@ class PanelWalk {
     return v;
   }
   const void* ahead(int64_t groups) const {
-    return floats_ != nullptr ? static_cast<const void*>(floats_ + groups * kPanel) : ints_ + groups * kPanel;
+    if (floats_ != nullptr) return floats_ + groups * kPanel;
+    return halves_ != nullptr ? static_cast<const void*>(halves_ + groups * kPanel) : ints_ + groups * kPanel;
   }
 
  private:
   const float* floats_;
+  const uint16_t* halves_;
   const int8_t* ints_;
   const float* units_;
   int64_t per_unit_, in_unit_ = 0;
@@ -574,12 +589,13 @@ void unpack_rows(const Weight& wt, int64_t start, int64_t end, float* out) {
 // the weight's outputs N: codes [N, K / 2] or [N, K] (rows), or [N / 16, K / G, 16 * group bytes] (panels)
 int64_t outputs_of(const torch::Tensor& codes) { return codes.dim() == 3 ? codes.size(0) * kPanel : codes.size(0); }
 
-// scale (or zero): float32 in the weight's layout, or int8 in it with `units` float32 [.., groups / per_unit, ..]
+// scale (or zero): float32 or float16 in the weight's layout, or int8 in it with `units` float32 [.., groups / per_unit, ..]
 // beside it (factored); `what` names it in errors. panel: kPanel ([N / 16, groups, 16]) or 1 ([N, groups])
 GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units, const char* what, int64_t n,
                          int64_t groups, int64_t panel) {
   const bool factored = values.scalar_type() == torch::kInt8;
-  TORCH_CHECK(factored || values.scalar_type() == torch::kFloat32, what, ": float32, or int8 with its units");
+  const bool half = values.scalar_type() == torch::kHalf;
+  TORCH_CHECK(factored || half || values.scalar_type() == torch::kFloat32, what, ": float32, float16, or int8 with its units");
   const auto fits = [&](const torch::Tensor& t, int64_t count) {
     return t.is_contiguous() && t.device().is_cpu() &&
            (panel == kPanel ? (t.dim() == 3 && t.size(0) * kPanel == n && t.size(1) == count && t.size(2) == kPanel)
@@ -588,14 +604,15 @@ GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units
   TORCH_CHECK(fits(values, groups), what, ": contiguous [N, K / group] (rows) or [N / 16, K / group, 16] (panels), "
               "got ", values.sizes());
   if (!factored) {
-    TORCH_CHECK(units.numel() == 0, what, ": float32 values take no units");
-    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, groups, 1, panel};
+    TORCH_CHECK(units.numel() == 0, what, ": float values take no units");
+    if (half) return GroupScales{nullptr, static_cast<const uint16_t*>(values.data_ptr()), nullptr, nullptr, groups, 1, panel};
+    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, nullptr, groups, 1, panel};
   }
   TORCH_CHECK(units.scalar_type() == torch::kFloat32 && units.dim() == values.dim(), what, "'s units: float32");
   const int64_t count = units.size(1);
   TORCH_CHECK(count > 0 && groups % count == 0 && (groups / count) % 8 == 0 && fits(units, count), what,
               "'s units: one per 8k groups, shaped as its values, got ", units.sizes(), " for ", groups, " groups");
-  return GroupScales{nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, groups / count, panel};
+  return GroupScales{nullptr, nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, groups / count, panel};
 }
 
 Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
@@ -614,7 +631,7 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
               "codes ", codes.sizes(), " do not fit K = ", k, " in groups of ", group);
   const int64_t panel = panels ? kPanel : 1;
   const GroupScales scales = check_scales(scale, scale_units, "scale", n, groups, panel);
-  GroupScales zeros{nullptr, nullptr, nullptr, groups, 1, panel};
+  GroupScales zeros{nullptr, nullptr, nullptr, nullptr, groups, 1, panel};
   if (zero.numel() > 0) zeros = check_scales(zero, zero_units, "zero", n, groups, panel);
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");

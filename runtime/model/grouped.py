@@ -13,7 +13,9 @@ the C++ kernel (one arithmetic for any number of rows: a prefix-cache hit comput
 prompt does), or where it cannot build, by torch ops on blocks of the same values.
 
 The K-quants' scales stay factored as the file has them (kernels/grouped_matmul.Factored: an
-int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weight, not 6.
+int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weight, not 6. The
+others' f16 scales (and Q4_1's mins) are kept as float16 where float16 holds every one exactly
+(grouped_matmul.narrowed; always, for a file's own f16): Q4_0 takes the file's 4.5 bits, not 5.
 
 A matrix stacked from GGUF tensors of different kinds (Q4_K_M keeps some attn_v in Q6_K beside
 Q4_K q and k) keeps each run of one kind in its own form, called apart (SplitGroupedWeight): one
@@ -81,8 +83,9 @@ class GroupedWeight(QuantizedWeight):
             self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
         else:
             self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
-        self.scale = _contiguous(groups.scale)  # float32 [out, in // group], or Factored
-        self.zero = None if groups.zero is None else _contiguous(groups.zero)
+        # float32 [out, in // group]; float16 where that is exact (the f16 the file stores); or Factored
+        self.scale = grouped_matmul.narrowed(_contiguous(groups.scale))
+        self.zero = None if groups.zero is None else grouped_matmul.narrowed(_contiguous(groups.zero))
         if out_features % grouped_matmul.PANEL == 0:  # 16 outputs a vector in the kernel's loops
             self.codes, self.scale, self.zero = grouped_matmul.to_panels(self.codes, self.scale, self.zero)
         self.form = "grouped4" if self.table is not None else "grouped8"

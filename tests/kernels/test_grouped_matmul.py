@@ -283,6 +283,45 @@ def test_factored_scales_give_the_float_scales_bits(kind):
     assert (picked[2] is None) if floats[2] is None else torch.equal(picked[2].floats(), floats[2][ids])
 
 
+HALF_KINDS = [(48, 576, "q4_1", 32, True), (37, 576, "q4_0", 32, False), (32, 512, "int8", 16, False),
+              (61, 192, "int8", 32, True)]
+
+
+@pytest.mark.parametrize("kind", HALF_KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_float16_scales_give_the_float_scales_bits(kind):
+    """Scales and zeros that float16 holds exactly (a file's own f16) kept as float16: the same floats, so every
+    loop (rows or panels, any row count, both builds, the unpack, the torch path, picked rows) gives the
+    float32 form's bits."""
+    codes, scale, zero, table = _weight(*kind, seed=51)
+    scale, zero = scale.half().float(), None if zero is None else zero.half().float()
+    halves = (grouped_matmul.narrowed(scale), grouped_matmul.narrowed(zero))
+    assert halves[0].dtype == torch.float16 and (zero is None or halves[1].dtype == torch.float16)
+    layouts = [((codes, scale, zero, table), (codes, *halves, table))]
+    if kind[0] % grouped_matmul.PANEL == 0:
+        layouts.append(((*grouped_matmul.to_panels(codes, scale, zero), table),
+                        (*grouped_matmul.to_panels(codes, *halves), table)))
+    for floats, half in layouts:
+        for rows in (1, 2, 5, 9, 17):
+            x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 5))
+            out = grouped_matmul.grouped_matmul(x, *floats)
+            assert torch.equal(grouped_matmul.grouped_matmul(x, *half), out)
+            assert torch.equal(grouped_matmul.grouped_matmul(x, *half, portable=True), out)
+        assert torch.equal(grouped_matmul.grouped_unpack(*half, 1, kind[0]), grouped_matmul.grouped_values(*floats)[1:])
+        x = torch.randn(3, kind[1])
+        assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *half), grouped_matmul.grouped_matmul_torch(x, *floats))
+        picked = grouped_matmul.select_rows(*half[:3], torch.tensor([kind[0] - 1, 2]))
+        assert torch.equal(picked[1].float(), scale[[kind[0] - 1, 2]])
+
+
+def test_only_exact_float16_scales_are_narrowed():
+    scale = torch.tensor([[0.1, 2.0**-20]], dtype=torch.float32)  # 0.1 and 2^-20 have no exact float16
+    assert grouped_matmul.narrowed(scale) is scale
+    assert grouped_matmul.narrowed(torch.tensor([[0.5, 2.0**-14, 65504.0]])).dtype == torch.float16
+    with pytest.raises(RuntimeError, match="float32, float16, or int8"):
+        codes, scale, _, table = _weight(16, 64, "q4_0", 32, False, seed=1)
+        grouped_matmul.grouped_matmul(torch.randn(1, 64), codes, scale.double(), None, table)
+
+
 def test_one_wrong_factored_int_or_unit_fails_the_check():
     (codes, scale, zero, table), floats = _factored(48, 512, "q4_1", 32, True, 8, seed=43)
     panel_codes, panel_scale, panel_zero = grouped_matmul.to_panels(codes, scale, zero)

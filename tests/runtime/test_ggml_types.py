@@ -140,6 +140,21 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
         grouped._stack(groups)
 
 
+@pytest.mark.parametrize("type_name, bits", [("Q4_0", 4.5), ("Q4_1", 5.0), ("Q8_0", 8.5), ("Q5_0", 8.5)])
+def test_f16_scales_stay_float16(type_name, bits):
+    """The f16 scale (and min) of Q4_0, Q4_1, Q8_0 and Q5_0 is kept as float16: the file's 4.5 bits a weight for
+    Q4_0 (float32 scales took 5), its values to the bit."""
+    rng = np.random.default_rng(7)
+    qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
+    raw = encoded_blocks(type_name, 48, 512, rng)
+    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, 48, 512)])
+    assert weight.scale.dtype == torch.float16 and (weight.zero is None or weight.zero.dtype == torch.float16)
+    assert weight.nbytes() * 8 / (48 * 512) == bits
+    assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, qtype, (48, 512)))
+    x = torch.randn(3, 512)
+    _check_close(weight.linear(x), x, weight, torch.float32)
+
+
 def test_k_quant_scales_stay_factored_and_small():
     """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
     weight, not 6, and Q6_K's: 8.625; the values are the file's."""

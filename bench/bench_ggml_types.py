@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_ggml_types.py [--quick] [--repeats N]
 
 The same 4-bit blocks (Q4_1: value = q d + m per 32 inputs) in both forms: GroupedWeight
-(float32 scales and sums, the file's values exactly) and Int4Weight (torch's packed int4
+(the file's f16 scales as float16, float32 sums, the file's values exactly) and Int4Weight (torch's packed int4
 layout, bfloat16 scales; on a CPU without AVX512-BF16 aten._weight_int4pack_mm_for_cpu below
 64 rows, else its weight unpacked to bfloat16 and multiplied by F.linear). Shapes:
 

@@ -33,7 +33,8 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
                exact (vpmaddwd / vpdpwssd), then one fma per group into the lane of the group's number
                mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart): a row's
                result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
-               plain builds agree to the bit. (llama.cpp rounds activations to int8 per 32: 2^-8.)
+               plain builds agree to the bit (tests: the build this CPU makes and the plain one). Only
+               the panel layout has vector loops: a weight of N not a multiple of 16 runs the plain loop. (llama.cpp rounds activations to int8 per 32: 2^-8.)
                grouped_unpack: rows [start, end) of W in float32
     check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
@@ -204,9 +205,9 @@ def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
     own = data[panel, :, :, output // 4, :, output % 4, :]  # [R, groups, j, s, e]
     if four:  # input 8j + 4h + 2s + e: [R, groups, j, s, e, h] -> [R, groups, j, h, s, e]
         ints = torch.stack((own & 0x0F, own >> 4), dim=-1).permute(0, 1, 2, 5, 3, 4).reshape(len(ids), groups, 32)
-        row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(len(ids), -1)
+        row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(len(ids), groups * 16)
     else:  # input 4j + 2s + e: already in order
-        row_codes = own.reshape(len(ids), -1).view(torch.int8)
+        row_codes = own.reshape(len(ids), groups * own.shape[2] * 4).view(torch.int8)
     pick = lambda values: values[panel, :, output]  # noqa: E731  [N / 16, count, 16] -> [R, count]
     return row_codes, each(scale, pick), None if zero is None else each(zero, pick)
 

@@ -21,7 +21,8 @@
 // A row's result therefore never depends on the rows beside it, on how the rows are split into calls
 // (a prefix-cache hit, whose last rows arrive alone, computes what the whole prompt did; a speculative
 // verify computes what plain decoding does), on the layout, or on the build: the AVX-512, AVX2 and plain
-// C++ loops give the same bits (tests/kernels/test_grouped_matmul.py).
+// C++ loops give the same bits (tests/kernels/test_grouped_matmul.py checks the build the CPU makes
+// against the plain one; the AVX2 build was checked against both by hand, built with -mno-avx512f).
 //
 // Layouts. Rows: output n's groups one after another (4-bit: 16 bytes a group, byte j = input j in the
 // low nibble, input j + 16 in the high one; 8-bit: G bytes). Panels (N a multiple of 16; what the models
@@ -703,7 +704,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, kReleaseGil,
         "x float32 [M, K] -> (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
-  m.def("vectorized", &vectorized, "whether this build has the AVX2/FMA path");
+  m.def("vectorized", &vectorized, "whether this build has the vector loops (AVX2, FMA and F16C; AVX-512 where present)");
   static const pagedserve::GroupedMatmulEntries entries{&grouped_matmul};
   m.attr("entry_points") = pagedserve::export_entries(&entries);
 }

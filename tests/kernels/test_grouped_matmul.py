@@ -1,5 +1,5 @@
 """The grouped-weight matmul (kernels/grouped_matmul.py) equals its float64 reference up to float32
-accumulation, in its AVX2 and plain C++ builds alike (to the bit); any split of the rows gives the same
+accumulation, in the build this CPU makes (AVX-512 or AVX2) and the plain C++ one alike (to the bit); any split of the rows gives the same
 bits; the activations round to int16 exactly as documented; one wrong nibble, scale or zero is far
 outside the bound; the unpack gives the reference's values bit for bit; the torch path (no C++) agrees.
 
@@ -17,7 +17,7 @@ unrounded, the rounding adds at most sum_k |W[n, k]| d(k) / 2, d(k) <= 2^-15 of 
 import pytest
 import torch
 
-from kernels import grouped_matmul
+from kernels import cpu_extension, grouped_matmul
 
 
 
@@ -26,7 +26,8 @@ def test_the_kernel_builds():
     assert grouped_matmul.available()
 
 # (out, in, codes, group, zero): 32-input groups on K = 576 / 192 (SmolLM2's widths, not multiples of
-# 256), 16-input groups on K-quant widths; outputs not a multiple of the 8-output block. 4-bit codes
+# 256), 16-input groups on K-quant widths; outputs not a multiple of 16: the row layout, the plain loop
+# (PANEL_KINDS below take the vector loops). 4-bit codes
 # through each kind of table the vector loop decodes its own way: IQ4_NL's (looked up), Q4_0's -8..7
 # (the nibble, shifted) and Q4_1's / Q4_K's 0..15 (the nibble itself)
 TABLES = {"iq4_nl": [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -35,7 +36,7 @@ KINDS = [(37, 576, "iq4_nl", 32, True), (130, 192, "iq4_nl", 32, False), (37, 57
          (61, 192, "int8", 32, False), (45, 512, "int8", 16, False), (19, 1536, "iq4_nl", 32, True),
          (37, 576, "q4_0", 32, False), (21, 192, "q4_0", 32, True), (37, 576, "q4_1", 32, True),
          (130, 192, "q4_1", 32, False)]
-ROWS = [1, 2, 3, 7, 8, 9, 17, 40]  # around the 8-row few-rows block, the 2-row tiles and the switch at 8
+ROWS = [1, 2, 3, 7, 8, 9, 17, 40]  # blocks of 4 rows, then 2 and 1: every remainder
 
 
 def _weight(out_features, in_features, code_kind, group, zero, seed):
@@ -283,6 +284,33 @@ def test_factored_scales_give_the_float_scales_bits(kind):
     assert (picked[2] is None) if floats[2] is None else torch.equal(picked[2].floats(), floats[2][ids])
 
 
+def test_the_avx2_build_gives_the_same_bits():
+    """The AVX2 loops (8 outputs a vector, a panel in two halves), built with AVX-512 turned off, against the
+    build this CPU makes and the plain one: panels of 4- and 8-bit codes, float32, float16 and factored scales."""
+    avx2 = cpu_extension.load("grouped_matmul.cpp", ("-mno-avx512f",))
+    factored, _ = _factored(48, 512, "q4_1", 32, True, 8, seed=61)
+    weights = [(*grouped_matmul.to_panels(*factored[:3]), factored[3])]
+    for kind in PANEL_KINDS:
+        codes, scale, zero, table = _weight(*kind, seed=63)
+        scale, zero = scale.half().float(), None if zero is None else zero.half().float()
+        weights.append((*grouped_matmul.to_panels(codes, scale, zero), table))
+        weights.append((*grouped_matmul.to_panels(codes, grouped_matmul.narrowed(scale), grouped_matmul.narrowed(zero)),
+                        table))
+    for weight in weights:
+        for rows in (1, 3, 6, 9):
+            x = torch.randn(rows, _shape_of(weight)[1], generator=torch.Generator().manual_seed(rows + 7))
+            out = avx2.grouped_matmul(x, *grouped_matmul.kernel_arguments(*weight))
+            assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight))
+            assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight, portable=True))
+
+
+def _shape_of(weight) -> tuple[int, int]:  # (N, K) of a panel-layout weight
+    codes, scale = weight[0], weight[1]
+    per_group = codes.shape[2] // grouped_matmul.PANEL  # bytes of one output's group
+    group = 32 if codes.dtype == torch.uint8 else per_group
+    return codes.shape[0] * grouped_matmul.PANEL, codes.shape[1] * group
+
+
 HALF_KINDS = [(48, 576, "q4_1", 32, True), (37, 576, "q4_0", 32, False), (32, 512, "int8", 16, False),
               (61, 192, "int8", 32, True)]
 
@@ -311,12 +339,16 @@ def test_float16_scales_give_the_float_scales_bits(kind):
         assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *half), grouped_matmul.grouped_matmul_torch(x, *floats))
         picked = grouped_matmul.select_rows(*half[:3], torch.tensor([kind[0] - 1, 2]))
         assert torch.equal(picked[1].float(), scale[[kind[0] - 1, 2]])
+        assert (picked[2] is None) if zero is None else torch.equal(picked[2].float(), zero[[kind[0] - 1, 2]])
+        assert grouped_matmul.select_rows(*half[:3], torch.tensor([], dtype=torch.int64))[0].shape[0] == 0
 
 
-def test_only_exact_float16_scales_are_narrowed():
-    scale = torch.tensor([[0.1, 2.0**-20]], dtype=torch.float32)  # 0.1 and 2^-20 have no exact float16
+@pytest.mark.parametrize("inexact", [0.1, 2.0**-25, 65520.0, 1e-8])
+def test_only_exact_float16_scales_are_narrowed(inexact):
+    scale = torch.tensor([[0.5, inexact]], dtype=torch.float32)  # one value float16 cannot hold keeps float32
     assert grouped_matmul.narrowed(scale) is scale
-    assert grouped_matmul.narrowed(torch.tensor([[0.5, 2.0**-14, 65504.0]])).dtype == torch.float16
+    exact = torch.tensor([[0.5, 2.0**-14, 2.0**-24, 65504.0]])  # subnormals and the largest finite included
+    assert grouped_matmul.narrowed(exact).dtype == torch.float16
     with pytest.raises(RuntimeError, match="float32, float16, or int8"):
         codes, scale, _, table = _weight(16, 64, "q4_0", 32, False, seed=1)
         grouped_matmul.grouped_matmul(torch.randn(1, 64), codes, scale.double(), None, table)

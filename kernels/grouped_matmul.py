@@ -34,7 +34,7 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
                mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart): a row's
                result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
                plain builds agree to the bit (tests: the build this CPU makes and the plain one). Only
-               the panel layout has vector loops: a weight of N not a multiple of 16 runs the plain loop. (llama.cpp rounds activations to int8 per 32: 2^-8.)
+               the panel layout has vector loops (runtime/model/grouped.py pads any N to panels). (llama.cpp rounds activations to int8 per 32: 2^-8.)
                grouped_unpack: rows [start, end) of W in float32
     check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
@@ -169,6 +169,13 @@ def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> tuple[
     if not four:
         panel_codes = panel_codes.view(torch.int8)
     return panel_codes, each(scale, _panels_of), None if zero is None else each(zero, _panels_of)
+
+
+def padded(codes: torch.Tensor, scale: Scales, zero: Scales | None,
+           count: int) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """Row-layout codes, scale and zero with `count` outputs of zeros after the last (value 0 * 0 + 0)."""
+    grow = lambda values: torch.cat([values, values.new_zeros(count, *values.shape[1:])])  # noqa: E731
+    return grow(codes), each(scale, grow), None if zero is None else each(zero, grow)
 
 
 def to_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None = None) -> tuple[torch.Tensor, Scales, Scales | None]:

@@ -86,8 +86,13 @@ class GroupedWeight(QuantizedWeight):
         # float32 [out, in // group]; float16 where that is exact (the f16 the file stores); or Factored
         self.scale = grouped_matmul.narrowed(_contiguous(groups.scale))
         self.zero = None if groups.zero is None else grouped_matmul.narrowed(_contiguous(groups.zero))
-        if out_features % grouped_matmul.PANEL == 0:  # 16 outputs a vector in the kernel's loops
-            self.codes, self.scale, self.zero = grouped_matmul.to_panels(self.codes, self.scale, self.zero)
+        # the kernel's vector loops read panels of 16 outputs: outputs of zeros (codes, scales and zeros) fill
+        # the last one, and linear / dequantize cut them off
+        self.padded_outputs = -out_features % grouped_matmul.PANEL
+        if self.padded_outputs:
+            self.codes, self.scale, self.zero = grouped_matmul.padded(self.codes, self.scale, self.zero,
+                                                                      self.padded_outputs)
+        self.codes, self.scale, self.zero = grouped_matmul.to_panels(self.codes, self.scale, self.zero)
         self.form = "grouped4" if self.table is not None else "grouped8"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
@@ -121,11 +126,13 @@ class GroupedWeight(QuantizedWeight):
             out = self._kernel(inputs)
         else:
             out = grouped_matmul.grouped_matmul_torch(inputs.contiguous(), *self._args())
-        # a float32 decode step (~120 calls) returns here: outputs are never padded, nothing to cast or add
+        if self.padded_outputs:
+            out = out[:, :self.out_features].contiguous()
+        # a float32 decode step (~120 calls) returns here: nothing to cast or add
         return out if bias is None and x.dtype == torch.float32 else self._finish(out, bias, x.dtype)
 
     def dequantize(self) -> torch.Tensor:  # float32 [out, in], the file's values
-        return grouped_matmul.grouped_values(*self._args())
+        return grouped_matmul.grouped_values(*self._args())[:self.out_features]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""

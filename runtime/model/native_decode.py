@@ -48,6 +48,8 @@ def _unserved(model: LlamaForCausalLM) -> str | None:
         form = getattr(module, f"{name}_packed")
         if not isinstance(form, (GroupedWeight, SplitGroupedWeight)):
             return f"matmul weight {name} is {type(form).__name__ if isinstance(form, QuantizedWeight) else 'dense'}"
+        if any(part.padded_outputs for part in (form.parts if isinstance(form, SplitGroupedWeight) else [form])):
+            return f"matmul weight {name}'s outputs are not a multiple of 16"
     if not decode_step.available():
         return "the C++ kernels are not built"
     return None

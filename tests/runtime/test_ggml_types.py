@@ -68,7 +68,9 @@ def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
     group = weight.group
     inputs = grouped_matmul.rounded_activations(x, group) if rounded else x.double()
     ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
+    cut = lambda values: values[:weight.out_features]  # noqa: E731  (outputs padded to a multiple of 16 dropped)
     codes, scale, zero = grouped_matmul.to_rows(weight.codes, weight.scale, weight.zero)
+    codes, scale, zero = cut(codes), grouped_matmul.each(scale, cut), None if zero is None else grouped_matmul.each(zero, cut)
     values = grouped_matmul.grouped_values(codes, scale, None, weight.table, dtype=torch.float64).abs()
     if zero is not None:
         values = values + grouped_matmul.floats(zero).double().abs().repeat_interleave(group, dim=1)
@@ -105,12 +107,12 @@ def test_without_the_cpp_kernel_the_torch_path_agrees(monkeypatch):
 
 @pytest.mark.parametrize("type_name, rows", [("Q6_K", 20), ("Q6_K", 48), ("Q4_K", 48), ("Q4_0", 32)])
 def test_rows_are_the_file_values(type_name, rows):
-    """An embedding lookup from a tied head's table, in the row layout (20 outputs) or panels (a multiple of 16)."""
+    """An embedding lookup from a tied head's table, from panels (20 outputs: the last panel padded)."""
     rng = np.random.default_rng(4)
     qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
     raw = encoded_blocks(type_name, rows, 256, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, rows, 256)])
-    assert weight.codes.dim() == (3 if rows % 16 == 0 else 2)
+    assert weight.codes.dim() == 3 and weight.padded_outputs == -rows % 16
     ids = torch.tensor([3, 0, rows - 1, 3, 17])
     assert torch.equal(weight.rows(ids, torch.float32), ggml_blocks.dequantize(raw, qtype, (rows, 256))[ids])
 
@@ -138,6 +140,26 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
         start += part.out_features
     with pytest.raises(QuantizationError, match="kept apart"):
         grouped._stack(groups)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K"])
+def test_outputs_not_a_multiple_of_16_fill_their_last_panel(type_name):
+    """37 outputs (a vocabulary of 32,001, say) padded with outputs of zeros to panels, so the vector loops read
+    them: the first 37 outputs are the row layout's (the plain loop's) to the bit, and the values the file's."""
+    rng = np.random.default_rng(9)
+    qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
+    raw = encoded_blocks(type_name, 37, 512, rng)
+    weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, qtype, 37, 512)])
+    assert weight.codes.dim() == 3 and weight.padded_outputs == 11
+    assert torch.equal(weight.dequantize(), ggml_blocks.dequantize(raw, qtype, (37, 512)))
+    cut = lambda values: values[:37]  # noqa: E731
+    codes, scale, zero = grouped_matmul.to_rows(weight.codes, weight.scale, weight.zero)
+    rows = (cut(codes), grouped_matmul.each(scale, cut), None if zero is None else grouped_matmul.each(zero, cut))
+    for count in (1, 6):
+        x = torch.randn(count, 512)
+        out = weight.linear(x)
+        assert out.shape == (count, 37) and out.is_contiguous()
+        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *rows, weight.table))
 
 
 @pytest.mark.parametrize("type_name, bits", [("Q4_0", 4.5), ("Q4_1", 5.0), ("Q8_0", 8.5), ("Q5_0", 8.5)])

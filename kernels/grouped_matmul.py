@@ -137,11 +137,6 @@ def _panels_of(values: torch.Tensor) -> torch.Tensor:  # [N, count] -> [N / 16, 
     return values.view(n // PANEL, PANEL, count).transpose(1, 2).contiguous()
 
 
-def _rows_of(values: torch.Tensor) -> torch.Tensor:  # [N / 16, count, 16] -> [N, count]
-    panels, count = values.shape[:2]
-    return values.transpose(1, 2).reshape(panels * PANEL, count)
-
-
 def _ints_of(codes: torch.Tensor, n: int, groups: int) -> torch.Tensor:
     """Row-layout codes as one byte per input, uint8 [N, groups, G]: nibbles (4-bit) or int8 codes' bytes."""
     if codes.dtype == torch.uint8:  # per 32 inputs: 16 low nibbles, then 16 high
@@ -155,9 +150,14 @@ def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> tuple[
     n, groups = _shape(scale)
     if n % PANEL or codes.dim() != 2:
         raise ValueError(f"the panel layout takes row-layout codes of a multiple of {PANEL} outputs, not {tuple(codes.shape)}")
-    four = codes.dtype == torch.uint8
-    ints = _ints_of(codes, n, groups)  # uint8 [N, groups, G]
-    group = ints.shape[2]
+    return panels_of_ints(_ints_of(codes, n, groups), codes.dtype == torch.uint8, scale, zero)
+
+
+def panels_of_ints(ints: torch.Tensor, four: bool, scale: Scales,
+                   zero: Scales | None) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """The panel layout from one byte per input, uint8 [N, groups, G] (a nibble when `four`, else an int8 code's
+    byte), and scale and zero [N, groups]; N a multiple of PANEL."""
+    n, groups, group = ints.shape
     # output 4c + t's input 8j + 4h + 2s + e (4-bit) or 4j + 2s + e (8-bit) -> load j, byte 16c + 8s + 2t + e
     # (nibble h): [N / 16, c, t, groups, j, (h,) s, e] -> [N / 16, groups, j, c, s, t, e (, h)]
     if four:
@@ -173,7 +173,8 @@ def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> tuple[
 
 def padded(codes: torch.Tensor, scale: Scales, zero: Scales | None,
            count: int) -> tuple[torch.Tensor, Scales, Scales | None]:
-    """Row-layout codes, scale and zero with `count` outputs of zeros after the last (value 0 * 0 + 0)."""
+    """Row-layout codes (or one byte per input), scale and zero with `count` outputs of zeros after the last
+    (value 0 * 0 + 0)."""
     grow = lambda values: torch.cat([values, values.new_zeros(count, *values.shape[1:])])  # noqa: E731
     return grow(codes), each(scale, grow), None if zero is None else each(zero, grow)
 
@@ -182,19 +183,7 @@ def to_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None = None) -> t
     """Codes, scale and zero in the row layout, from either layout (rows come back as they are)."""
     if codes.dim() == 2:
         return codes, scale, zero
-    count, groups = codes.shape[:2]
-    n = count * PANEL
-    four = codes.dtype == torch.uint8
-    data = codes.view(torch.uint8)
-    if four:  # [N / 16, groups, j, c, s, t, e] bytes -> nibbles h -> [N / 16, c, t, groups, j, h, s, e]
-        placed = data.view(count, groups, -1, 4, 2, 4, 2)
-        nibbles = torch.stack((placed & 0x0F, placed >> 4), dim=-1)  # [..., e, h]
-        ints = nibbles.permute(0, 3, 5, 1, 2, 7, 4, 6).reshape(n, groups, 32)
-        row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(n, -1).contiguous()
-    else:  # [N / 16, groups, j, c, s, t, e] -> [N / 16, c, t, groups, j, s, e]
-        placed = data.view(count, groups, -1, 4, 2, 4, 2)
-        row_codes = placed.permute(0, 3, 5, 1, 2, 4, 6).reshape(n, -1).contiguous().view(torch.int8)
-    return row_codes, each(scale, _rows_of), None if zero is None else each(zero, _rows_of)
+    return select_rows(codes, scale, zero, torch.arange(codes.shape[0] * PANEL))
 
 
 def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,

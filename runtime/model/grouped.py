@@ -75,24 +75,19 @@ class GroupedWeight(QuantizedWeight):
         self.in_features = self._padded_in = in_features
         self.group = groups.group
         self.table = groups.table  # int8 [16], or None for int8 codes
-        if groups.table is not None:
-            if groups.group != NIBBLE_GROUP:
-                raise QuantizationError(f"4-bit codes come in groups of {NIBBLE_GROUP}, not {groups.group}")
-            pairs = groups.codes.view(out_features, in_features // NIBBLE_GROUP, 2, 16)
-            # uint8 [out, in // 2]: per 32 inputs, byte j = input j (low nibble) | input j + 16 (high)
-            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
-        else:
-            self.codes = groups.codes.view(torch.int8).contiguous()  # int8 [out, in]
+        if groups.table is not None and groups.group != NIBBLE_GROUP:
+            raise QuantizationError(f"4-bit codes come in groups of {NIBBLE_GROUP}, not {groups.group}")
+        ints = groups.codes.contiguous().view(torch.uint8).view(out_features, in_features // groups.group, groups.group)
         # float32 [out, in // group]; float16 where that is exact (the f16 the file stores); or Factored
-        self.scale = grouped_matmul.narrowed(_contiguous(groups.scale))
-        self.zero = None if groups.zero is None else grouped_matmul.narrowed(_contiguous(groups.zero))
+        scale = grouped_matmul.narrowed(_contiguous(groups.scale))
+        zero = None if groups.zero is None else grouped_matmul.narrowed(_contiguous(groups.zero))
         # the kernel's vector loops read panels of 16 outputs: outputs of zeros (codes, scales and zeros) fill
         # the last one, and linear / dequantize cut them off
         self.padded_outputs = -out_features % grouped_matmul.PANEL
         if self.padded_outputs:
-            self.codes, self.scale, self.zero = grouped_matmul.padded(self.codes, self.scale, self.zero,
-                                                                      self.padded_outputs)
-        self.codes, self.scale, self.zero = grouped_matmul.to_panels(self.codes, self.scale, self.zero)
+            ints, scale, zero = grouped_matmul.padded(ints, scale, zero, self.padded_outputs)
+        # codes [out / 16, in // group, 16 * group bytes], scale and zero [out / 16, in // group, 16]
+        self.codes, self.scale, self.zero = grouped_matmul.panels_of_ints(ints, groups.table is not None, scale, zero)
         self.form = "grouped4" if self.table is not None else "grouped8"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 

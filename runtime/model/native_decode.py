@@ -20,7 +20,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from kernels import decode_step
+from kernels import decode_step, grouped_matmul
 from runtime.attention import AttentionMetadata
 from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
 from runtime.model.llama import LlamaForCausalLM
@@ -49,7 +49,7 @@ def _unserved(model: LlamaForCausalLM) -> str | None:
         if not isinstance(form, (GroupedWeight, SplitGroupedWeight)):
             return f"matmul weight {name} is {type(form).__name__ if isinstance(form, QuantizedWeight) else 'dense'}"
         if any(part.padded_outputs for part in (form.parts if isinstance(form, SplitGroupedWeight) else [form])):
-            return f"matmul weight {name}'s outputs are not a multiple of 16"
+            return f"matmul weight {name}'s outputs are not a multiple of {grouped_matmul.PANEL}"
     if not decode_step.available():
         return "the C++ kernels are not built"
     return None

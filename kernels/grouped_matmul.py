@@ -25,6 +25,11 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     [N / 16, K // G, 16] (a Factored one's units [N / 16, K // (G P), 16]). Every function here takes
     either layout; to_rows and select_rows give the row layout back.
 
+    6-bit codes (panels only; to_panels(..., bits=6)) hold 8-bit codes in [-32, 31], as Q6_K's q - 32
+    and Q5_x's are, in 6 bits instead of 8: per load the 4-bit layout of q = code + 32's low 4 bits, then
+    32 bytes of its high 2 bits: uint8 codes [N / 16, K // G, 16 * 3 G / 4], no table, G = 16 or 32. Their
+    row layout (to_rows, select_rows) is the 8-bit one, the same integers.
+
     reference  grouped_values (the weight in any float dtype; float32: exactly the file's values),
                grouped_matmul_reference: x @ W.T in float64
     kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int16 per block of G inputs
@@ -49,6 +54,8 @@ import torch
 from kernels import cpu_extension
 
 PANEL = 16  # outputs side by side per group in the panel layout
+SIX_OFFSET = 32  # a 6-bit code's q = code + 32, in 0..63
+SIX_LOW, SIX_HIGH = 64, 32  # a 6-bit load: bytes of low nibbles, then of high bits (8 inputs of 16 outputs)
 UNPACK_BLOCK_VALUES = 1 << 21  # weights made at a time by the torch path (8 MiB of float32)
 ACTIVATION_MAX = 32767.0  # the kernel's activations: int16 in [-32767, 32767] per block
 
@@ -145,30 +152,58 @@ def _ints_of(codes: torch.Tensor, n: int, groups: int) -> torch.Tensor:
     return codes.view(torch.uint8).view(n, groups, -1)
 
 
-def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> tuple[torch.Tensor, Scales, Scales | None]:
-    """Row-layout codes [N, bytes], scale and zero [N, groups] in the panel layout (N a multiple of PANEL)."""
+def to_panels(codes: torch.Tensor, scale: Scales, zero: Scales | None,
+              bits: int | None = None) -> tuple[torch.Tensor, Scales, Scales | None]:
+    """Row-layout codes [N, bytes], scale and zero [N, groups] in the panel layout (N a multiple of PANEL);
+    bits=6 packs int8 codes in [-32, 31] as 6-bit codes (else uint8 codes stay 4-bit and int8 ones 8-bit)."""
     n, groups = _shape(scale)
     if n % PANEL or codes.dim() != 2:
         raise ValueError(f"the panel layout takes row-layout codes of a multiple of {PANEL} outputs, not {tuple(codes.shape)}")
-    return panels_of_ints(_ints_of(codes, n, groups), codes.dtype == torch.uint8, scale, zero)
+    return panels_of_ints(_ints_of(codes, n, groups), bits or (4 if codes.dtype == torch.uint8 else 8), scale, zero)
 
 
-def panels_of_ints(ints: torch.Tensor, four: bool, scale: Scales,
+def fits_six_bits(ints: torch.Tensor) -> bool:
+    """Whether 8-bit codes (int8, or their bytes as uint8) all lie in [-32, 31], the 6-bit codes' range."""
+    codes = ints.view(torch.int8)
+    return codes.numel() == 0 or (int(codes.min()) >= -SIX_OFFSET and int(codes.max()) < SIX_OFFSET)
+
+
+def panels_of_ints(ints: torch.Tensor, bits: int, scale: Scales,
                    zero: Scales | None) -> tuple[torch.Tensor, Scales, Scales | None]:
-    """The panel layout from one byte per input, uint8 [N, groups, G] (a nibble when `four`, else an int8 code's
-    byte), and scale and zero [N, groups]; N a multiple of PANEL."""
+    """The panel layout from one byte per input, uint8 [N, groups, G] (a nibble for bits=4, else an int8 code's
+    byte: bits=6 packs codes in [-32, 31] into 6 bits), and scale and zero [N, groups]; N a multiple of PANEL."""
     n, groups, group = ints.shape
-    # output 4c + t's input 8j + 4h + 2s + e (4-bit) or 4j + 2s + e (8-bit) -> load j, byte 16c + 8s + 2t + e
-    # (nibble h): [N / 16, c, t, groups, j, (h,) s, e] -> [N / 16, groups, j, c, s, t, e (, h)]
-    if four:
-        placed = ints.view(n // PANEL, 4, 4, groups, group // 8, 2, 2, 2).permute(0, 3, 4, 1, 6, 2, 7, 5)
+    if bits not in (4, 6, 8) or (bits == 6 and not fits_six_bits(ints)):
+        raise ValueError(f"{bits}-bit panels take nibbles (4), int8 codes in [-32, 31] (6) or int8 codes (8)")
+    if bits == 6:  # q = code + 32: its low nibbles laid out as 4-bit codes, its high 2 bits in 32 bytes after each load
+        q = (ints.view(torch.int8).to(torch.int16) + SIX_OFFSET).to(torch.uint8)
+        low = _nibble_loads(q & 0x0F)  # [N / 16, groups, loads, 64 positions, h]
+        high = _nibble_loads(q >> 4)
+        positions = high[..., 0] | (high[..., 1] << 2)  # [N / 16, groups, loads, 64]: position p's nibble
+        top = positions[..., :SIX_HIGH] | (positions[..., SIX_HIGH:] << 4)  # byte b: positions b and b + 32
+        placed = torch.cat([low[..., 0] | (low[..., 1] << 4), top], dim=-1)  # [N / 16, groups, loads, 96]
+    elif bits == 4:
+        placed = _nibble_loads(ints)
         placed = placed[..., 0] | (placed[..., 1] << 4)
-    else:
+    else:  # output 4c + t's input 4j + 2s + e -> load j, byte 16c + 8s + 2t + e: [.., j, c, s, t, e]
         placed = ints.view(n // PANEL, 4, 4, groups, group // 4, 2, 2).permute(0, 3, 4, 1, 5, 2, 6)
     panel_codes = placed.reshape(n // PANEL, groups, -1).contiguous()
-    if not four:
+    if bits == 8:
         panel_codes = panel_codes.view(torch.int8)
     return panel_codes, each(scale, _panels_of), None if zero is None else each(zero, _panels_of)
+
+
+def _nibble_loads(ints: torch.Tensor) -> torch.Tensor:  # uint8 [N, groups, G] -> [N / 16, groups, G / 8, 64, 2]
+    """One value per input placed as the nibble loads hold them: output 4c + t's input 8j + 4h + 2s + e -> load j,
+    byte 16c + 8s + 2t + e, nibble h ([N / 16, c, t, groups, j, h, s, e] -> [N / 16, groups, j, c, s, t, e, h])."""
+    n, groups, group = ints.shape
+    placed = ints.view(n // PANEL, 4, 4, groups, group // 8, 2, 2, 2).permute(0, 3, 4, 1, 6, 2, 7, 5)
+    return placed.reshape(n // PANEL, groups, group // 8, 64, 2)
+
+
+def six_bit(codes: torch.Tensor) -> bool:
+    """Whether panel-layout codes are 6-bit (uint8 with 3 G / 4 bytes an output's group; 4-bit ones have 16)."""
+    return codes.dtype == torch.uint8 and codes.dim() == 3 and codes.shape[2] != PANEL * 16
 
 
 def padded(codes: torch.Tensor, scale: Scales, zero: Scales | None,
@@ -196,6 +231,9 @@ def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
         return codes[ids], each(scale, pick), None if zero is None else each(zero, pick)
     count, groups = codes.shape[:2]
     panel, output = ids // PANEL, ids % PANEL  # [R] each; output 4c + t
+    pick = lambda values: values[panel, :, output]  # noqa: E731  [N / 16, count, 16] -> [R, count]
+    if six_bit(codes):
+        return _six_rows(codes, panel, output), each(scale, pick), None if zero is None else each(zero, pick)
     four = codes.dtype == torch.uint8
     data = codes.view(torch.uint8).view(count, groups, -1, 4, 2, 4, 2)  # [N / 16, groups, j, c, s, t, e]
     own = data[panel, :, :, output // 4, :, output % 4, :]  # [R, groups, j, s, e]
@@ -204,8 +242,22 @@ def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
         row_codes = (ints[..., :16] | (ints[..., 16:] << 4)).reshape(len(ids), groups * 16)
     else:  # input 4j + 2s + e: already in order
         row_codes = own.reshape(len(ids), groups * own.shape[2] * 4).view(torch.int8)
-    pick = lambda values: values[panel, :, output]  # noqa: E731  [N / 16, count, 16] -> [R, count]
     return row_codes, each(scale, pick), None if zero is None else each(zero, pick)
+
+
+def _six_rows(codes: torch.Tensor, panel: torch.Tensor, output: torch.Tensor) -> torch.Tensor:  # int8 [R, K]
+    """Outputs (panel, output) [R] of 6-bit panel codes as 8-bit row-layout codes (only their panels' bytes read)."""
+    groups = codes.shape[1]
+    loads = codes[panel].view(len(panel), groups, -1, SIX_LOW + SIX_HIGH)  # [R, groups, j, 96]: each id's panel
+    top = loads[..., SIX_LOW:]
+    positions = torch.cat([top & 0x0F, top >> 4], dim=-1)  # [R, groups, j, 64]: position p's high nibble
+    shape = (len(panel), groups, loads.shape[2], 4, 2, 4, 2)  # [R, groups, j, c, s, t, e]
+    own = torch.arange(len(panel)), output // 4, output % 4  # each id's row, c and t
+    low = loads[..., :SIX_LOW].reshape(shape).permute(0, 3, 5, 1, 2, 4, 6)[own]  # [R, groups, j, s, e]
+    high = positions.reshape(shape).permute(0, 3, 5, 1, 2, 4, 6)[own]
+    q = torch.stack(((low & 0x0F) | ((high & 3) << 4), (low >> 4) | ((high >> 2) << 4)), dim=-1)  # [R, groups, j, s, e, h]
+    q = q.permute(0, 1, 2, 5, 3, 4).reshape(len(panel), -1)  # input 8j + 4h + 2s + e
+    return (q.to(torch.int16) - SIX_OFFSET).to(torch.int8)
 
 
 def _shape(scale: Scales) -> tuple[int, int]:
@@ -216,6 +268,8 @@ def _shape(scale: Scales) -> tuple[int, int]:
 
 def _group(codes: torch.Tensor, scale: Scales) -> int:
     """G: inputs per group of the weight, in either layout."""
+    if six_bit(codes):
+        return codes.shape[2] // PANEL * 4 // 3
     if codes.dtype == torch.uint8:
         return 32
     return codes.shape[2] // PANEL if codes.dim() == 3 else codes.shape[1] // _shape(scale)[1]

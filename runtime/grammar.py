@@ -24,7 +24,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.gbnf_to_lark
-import llguidance.torch
 import structlog
 import torch
 
@@ -46,8 +45,10 @@ class GrammarMatcher:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into bitmask[row] (int32, CPU)."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Write the tokens allowed next into bitmask[row] (int32 [rows, words], contiguous, CPU)."""
+        _check_bitmask(bitmask)
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
@@ -85,8 +86,19 @@ def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None
         return
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor(max(1, min(8, torch.get_num_threads())))
-    llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, j) for j, m in enumerate(matchers)],
-                                                 bitmask[: len(matchers)])
+    _check_bitmask(bitmask)
+    _EXECUTOR.unsafe_compute_mask_ptr([(m._matcher, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
+                                      bitmask.shape[1] * bitmask.element_size(), len(matchers))
+
+
+def _check_bitmask(bitmask: torch.Tensor) -> None:
+    """llguidance writes through the raw pointer: only a contiguous int32 [rows, words] CPU tensor will do.
+
+    (Called directly rather than through llguidance.torch, whose import compiles a torch function and so
+    loads torch's compiler stack: ~200 MB in every server process, for two pointer calls.)"""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or not bitmask.is_contiguous():
+        raise ValueError(f"a token bitmask is a contiguous int32 [rows, words] CPU tensor, not {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)} on {bitmask.device}")
 
 
 class CompiledGrammar:

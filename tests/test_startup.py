@@ -110,3 +110,13 @@ def test_a_worker_without_a_port_takes_a_free_one_and_prints_it(tmp_path, storie
         assert response.status_code == 200 and response.json() == {"status": "ready"}
     finally:
         worker.stop()
+
+
+def test_the_server_does_not_load_torchs_compiler():
+    """The serving modules leave torch's compiler stack (dynamo, inductor) unloaded: importing it costs every
+    server process ~200 MB (llguidance.torch compiles a function at import; the grammar calls its pointers)."""
+    done = subprocess.run([sys.executable, "-c", "import sys, service.app, service.cli, runtime.engine, runtime.grammar; "
+                           "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith(('torch._dynamo', "
+                           "'torch._inductor'))}))"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -2,7 +2,8 @@
 //
 //   value[n][k] = int(code[n][k]) * scale[n][k / G] (+ zero[n][k / G])
 //
-// codes are 4-bit (a nibble read through a 16-entry int8 table) or 8-bit (int8); scale and zero are
+// codes are 4-bit (a nibble read through a 16-entry int8 table), 6-bit (q in 0..63, the integer q - 32:
+// Q6_K's codes, and Q5_x's, which fit; panels only) or 8-bit (int8); scale and zero are
 // float32 per group, float16 per group (where that holds them exactly, as the f16 of Q4_0 or Q8_0 is),
 // or factored as the K-quants store them (an int8 per group times a float32 unit per run of groups): the
 // same floats in every form. G = 32 (or 16 for 8-bit codes). The weights are the file's: the
@@ -33,10 +34,14 @@
 //   4-bit: byte 16c + 2t + e      = input 8j + e (low nibble),     input 8j + 4 + e (high)
 //          byte 16c + 8 + 2t + e  = input 8j + 2 + e (low nibble), input 8j + 6 + e (high)
 //   8-bit: byte 16c + 2t + e = input 4j + e, byte 16c + 8 + 2t + e = input 4j + 2 + e
+//   6-bit: 96 bytes a load: the 4-bit layout of q's low 4 bits (64 bytes), then 32 bytes of their high 2
+//          bits: byte position p (0..63) of the 64 owns a nibble h[p], bits 0-1 the low nibble's input's
+//          and bits 2-3 the high nibble's; byte 64 + b holds h[b] in its low half and h[b + 32] in its high
 // The panel's scales and zeros: [N / 16, groups, 16] (a factored one's units [N / 16, groups / P, 16]).
 //
 // Loop (the vector builds, panels): per 16 outputs and group, each 64-byte load becomes 2 or 4 vectors
-// of int16 pairs (a mask, a shift, byte unpacks; the table through a byte shuffle) shared by a block of
+// of int16 pairs (a mask, a shift, byte unpacks; the table through a byte shuffle; 6-bit: the high bits
+// shifted into place and or-ed in, the -32 added as a sum of the block's q) shared by a block of
 // rows; each row multiplies them against its input pairs broadcast (vpdpwssd with AVX-512 VNNI, else
 // vpmaddwd and an add): 16 outputs' sums a vector, so the float step is one conversion and one fma for 16
 // outputs. AVX2 runs the same loop 8 outputs at a time (each half of the 64 bytes). The outputs are split
@@ -76,9 +81,12 @@ constexpr int64_t kRowChunkBytes = 256 * 1024;  // int16 rows run against each p
 constexpr int64_t kPrefetchBytes = 2048;        // how far ahead of the decode loop its weight stream is fetched
 constexpr float kActivationMax = 32767.0f;      // int16 activations: q in [-32767, 32767]
 
-// how the vector loop makes a 4-bit code's integer: through the table, or (a table of 16 consecutive
-// integers, as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0] * (sum of q)
-enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2 };
+// how the vector loop makes a code's integer: a 4-bit one through the table, or (a table of 16
+// consecutive integers, as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0] * (sum
+// of q); or 6-bit codes (the nibble and its two high bits, plus -32 * (sum of q))
+enum Nibbles { kLookup = 0, kPlain = 1, kShifted = 2, kSix = 3 };
+constexpr int32_t kSixOffset = -32;             // a 6-bit code's integer: q + kSixOffset
+constexpr int64_t kSixLoadBytes = 96;           // one load of a 6-bit panel's group: 64 bytes of low nibbles, 32 high
 
 // A weight's scales, or its zeros, in one of three forms: float32 per group; float16 per group (the f16
 // that Q4_0, Q8_0, Q5_x and IQ4_NL store, kept where float16 holds every value exactly: the same floats
@@ -108,10 +116,11 @@ struct Weight {
   GroupScales zero;   // the same layout; !zero.present(): none
   int64_t groups;
   int64_t group;        // G: inputs per group
-  int64_t group_bytes;  // bytes of one output's group of codes: 16 (4-bit) or G
+  int64_t group_bytes;  // bytes of one output's group of codes: 16 (4-bit), 3 G / 4 (6-bit) or G
   int64_t panel;        // outputs whose groups lie side by side: 1 (rows) or kPanel
   const int8_t* table;  // 16 entries (4-bit codes), else nullptr
-  Nibbles nibbles;      // 4-bit codes: how the vector loop decodes them
+  bool six;             // 6-bit codes (panels only)
+  Nibbles nibbles;      // 4- and 6-bit codes: how the vector loop decodes them
 
   bool four() const { return table != nullptr; }
   bool has_zero() const { return zero.present(); }
@@ -134,6 +143,11 @@ struct Weight {
         const int64_t j = i / 8, h = (i / 4) & 1, s = (i / 2) & 1, e = i & 1;
         const uint8_t byte = block[j * kLoadBytes + own + 8 * s + e];
         out[i] = table[h ? byte >> 4 : byte & 0x0F];
+      } else if (six) {  // the same, and the high bits: position own + 8s + e's nibble of the 32 bytes after
+        const int64_t j = i / 8, h = (i / 4) & 1, s = (i / 2) & 1, e = i & 1, at = own + 8 * s + e;
+        const uint8_t* load = block + j * kSixLoadBytes;
+        const int32_t high = (load[kLoadBytes + at % 32] >> (4 * (at / 32))) >> (2 * h) & 3;
+        out[i] = ((h ? load[at] >> 4 : load[at] & 0x0F) | high << 4) + kSixOffset;
       } else {  // input 4j + 2s + e: load j, byte own + 8s + e
         const int64_t j = i / 4, s = (i / 2) & 1, e = i & 1;
         out[i] = static_cast<int8_t>(block[j * kLoadBytes + own + 8 * s + e]);
@@ -146,7 +160,7 @@ struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
   const int16_t* q;   // [M][K]
   const float* d;     // [M][groups]
   const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
-  const int32_t* shift;  // [M][groups]: table[0] * (sum of the block's q); kShifted only, else nullptr
+  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q); kShifted and kSix only, else nullptr
   int64_t k;
   int64_t groups;
 };
@@ -233,6 +247,16 @@ constexpr int64_t kLanes = 16;
 inline VecI load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VecI and_bytes(VecI a, VecI b) { return _mm512_and_si512(a, b); }
 inline VecI shift_right_words(VecI a) { return _mm512_srli_epi16(a, 4); }
+template <int kBits>
+inline VecI shift_left_words(VecI a) { return _mm512_slli_epi16(a, kBits); }
+inline VecI or_bytes(VecI a, VecI b) { return _mm512_or_si512(a, b); }
+// a 6-bit load's high nibbles h[p], one a byte, from its 32 bytes at `p`: bytes 0..31 the low halves, 32..63
+// the high halves (the one vector takes the whole panel: slice 0)
+inline VecI high_nibbles(const uint8_t* p, int64_t) {
+  const VecI both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const VecI counts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // words 16..31: 4
+  return _mm512_and_si512(_mm512_srlv_epi16(both, counts), _mm512_set1_epi8(0x0F));
+}
 inline VecI lookup(VecI table, VecI index) { return _mm512_shuffle_epi8(table, index); }
 inline VecI unpack_low(VecI a, VecI b) { return _mm512_unpacklo_epi8(a, b); }
 inline VecI unpack_high(VecI a, VecI b) { return _mm512_unpackhi_epi8(a, b); }
@@ -267,6 +291,14 @@ constexpr int64_t kLanes = 8;
 inline VecI load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VecI and_bytes(VecI a, VecI b) { return _mm256_and_si256(a, b); }
 inline VecI shift_right_words(VecI a) { return _mm256_srli_epi16(a, 4); }
+template <int kBits>
+inline VecI shift_left_words(VecI a) { return _mm256_slli_epi16(a, kBits); }
+inline VecI or_bytes(VecI a, VecI b) { return _mm256_or_si256(a, b); }
+// this slice's (positions 32 slice .. + 31) high nibbles of a 6-bit load, one a byte, from its 32 bytes at `p`
+inline VecI high_nibbles(const uint8_t* p, int64_t slice) {
+  const VecI v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(slice == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
 inline VecI lookup(VecI table, VecI index) { return _mm256_shuffle_epi8(table, index); }
 inline VecI unpack_low(VecI a, VecI b) { return _mm256_unpacklo_epi8(a, b); }
 inline VecI unpack_high(VecI a, VecI b) { return _mm256_unpackhi_epi8(a, b); }
@@ -345,13 +377,19 @@ class PanelWalk {
 };
 
 // one load (64 bytes at `bytes`, this slice's part of it) as int16 pairs, one output a 32-bit lane:
-// pairs[p] holds inputs (first + 2p, first + 2p + 1), first = 8j (4-bit: 4 vectors) or 4j (8-bit: 2)
+// pairs[p] holds inputs (first + 2p, first + 2p + 1), first = 8j (4- and 6-bit: 4 vectors) or 4j (8-bit: 2).
+// 6-bit: `top` is the load's 32 bytes of high bits, q without its offset (the shifts add it)
 template <bool kFour, int kNib>
-inline void decode_load(const uint8_t* bytes, VecI table, VecI* pairs) {
+inline void decode_load(const uint8_t* bytes, const uint8_t* top, int64_t slice, VecI table, VecI* pairs) {
   const VecI v = load_bytes(bytes);
   if constexpr (kFour) {
     const VecI mask = splat_bytes(0x0F);
     VecI low = and_bytes(v, mask), high = and_bytes(shift_right_words(v), mask);
+    if constexpr (kNib == kSix) {  // h bits 0-1 above the low nibble's input, bits 2-3 above the high one's
+      const VecI h = high_nibbles(top, slice), bits = splat_bytes(0x30);
+      low = or_bytes(low, and_bytes(shift_left_words<4>(h), bits));
+      high = or_bytes(high, and_bytes(shift_left_words<2>(h), bits));
+    }
     if constexpr (kNib == kLookup) {
       low = lookup(table, low);
       high = lookup(table, high);
@@ -359,7 +397,7 @@ inline void decode_load(const uint8_t* bytes, VecI table, VecI* pairs) {
       pairs[1] = sign_words(unpack_high(low, low));
       pairs[2] = sign_words(unpack_low(high, high));
       pairs[3] = sign_words(unpack_high(high, high));
-    } else {  // the nibble itself (0..15): zero-extended
+    } else {  // the nibble itself (0..15; 6-bit: q, 0..63): zero-extended
       const VecI z = zero_int();
       pairs[0] = unpack_low(low, z);
       pairs[1] = unpack_high(low, z);
@@ -379,8 +417,10 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
   constexpr int kLoads = kFour ? G / 8 : G / 4;  // 64-byte loads a group
   constexpr int kPairs = kFour ? 4 : 2;           // vectors of pairs a load
   constexpr int kInputs = kFour ? 8 : 4;          // inputs a load
+  constexpr int64_t kStride = kNib == kSix ? kSixLoadBytes : kLoadBytes;  // bytes from one load to the next
+  constexpr bool kShifts = kFour && (kNib == kShifted || kNib == kSix);  // the integers' offset as a sum of q
   const VecI table = kFour && kNib == kLookup ? table_of(wt.table) : zero_int();
-  const uint8_t* codes = wt.panel_group(p, 0) + slice * (kLoadBytes / kSlices);
+  const uint8_t* codes = wt.panel_group(p, 0);
   const int16_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   const int64_t groups = wt.groups;
@@ -394,14 +434,16 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
     for (int l = 0; l < 8; ++l) {
       const int64_t g = g0 + l;
       if (g >= groups) continue;  // the last run's missing groups (the unrolled body keeps its lanes in registers)
-      const uint8_t* group = codes + g * kLoads * kLoadBytes;
+      const uint8_t* group = codes + g * kLoads * kStride;
       _mm_prefetch(static_cast<const char*>(scales.ahead(8)), _MM_HINT_T0);
       VecI isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = kFour && kNib == kShifted ? splat_int(a.shift[(row + r) * a.groups + g]) : zero_int();
+      for (int r = 0; r < R; ++r) isum[r] = kShifts ? splat_int(a.shift[(row + r) * a.groups + g]) : zero_int();
       for (int j = 0; j < kLoads; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(group + j * kLoadBytes + kPrefetchBytes), _MM_HINT_T0);
+        const uint8_t* load = group + j * kStride;
+        _mm_prefetch(reinterpret_cast<const char*>(load + kPrefetchBytes), _MM_HINT_T0);
+        if constexpr (kNib == kSix) _mm_prefetch(reinterpret_cast<const char*>(load + kLoadBytes + kPrefetchBytes), _MM_HINT_T0);
         VecI pairs[kPairs];
-        decode_load<kFour, kNib>(group + j * kLoadBytes, table, pairs);
+        decode_load<kFour, kNib>(load + slice * (kLoadBytes / kSlices), load + kLoadBytes, slice, table, pairs);
         for (int r = 0; r < R; ++r) {
           const int16_t* x = xq + r * a.k + g * G + j * kInputs;
           for (int q = 0; q < kPairs; ++q) {
@@ -490,21 +532,24 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, f
   });
 }
 
-// quantize_rows for the group size of the call (32, or 16 for 8-bit codes: no shifts there)
+// quantize_rows for the group size of the call (32, or 16: 8- and 6-bit codes)
 void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum,
                   int32_t* shift = nullptr, int16_t offset = 0) {
   if (group == 32) {
     quantize_rows<32>(x, m, k, q, d, sum, shift, offset);
   } else {
-    quantize_rows<16>(x, m, k, q, d, sum);
+    quantize_rows<16>(x, m, k, q, d, sum, shift, offset);
   }
 }
 
-// the weight's kind -> the instance of Kernel<G, kFour, kZero>::run that serves it
+// the weight's kind -> the instance of Kernel<G, kFour, kZero>::run that serves it (kFour: codes in nibbles, 8
+// inputs a load: 4-bit, and 6-bit with its high bits beside them)
 template <template <int, bool, bool> class Kernel, typename... Args>
-void dispatch(bool four, int64_t group, bool has_zero, Args&&... args) {
-  if (four) {
+void dispatch(bool nibbles, int64_t group, bool has_zero, Args&&... args) {
+  if (nibbles && group == 32) {
     has_zero ? Kernel<32, true, true>::run(args...) : Kernel<32, true, false>::run(args...);
+  } else if (nibbles) {
+    has_zero ? Kernel<16, true, true>::run(args...) : Kernel<16, true, false>::run(args...);
   } else if (group == 32) {
     has_zero ? Kernel<32, false, true>::run(args...) : Kernel<32, false, false>::run(args...);
   } else {
@@ -532,6 +577,7 @@ struct MatmulKernel {
         switch (wt.nibbles) {
           case kPlain: return panels<kPlain>(wt, a, m, out, n);
           case kShifted: return panels<kShifted>(wt, a, m, out, n);
+          case kSix: return panels<kSix>(wt, a, m, out, n);
           default: return panels<kLookup>(wt, a, m, out, n);
         }
       } else {
@@ -621,11 +667,14 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
                     int64_t group, int64_t k) {
   TORCH_CHECK((codes.dim() == 2 || codes.dim() == 3) && codes.is_contiguous() && codes.device().is_cpu(),
               "codes: contiguous [N, K] or [N, K / 2] (rows), or [N / 16, K / G, 16 * group bytes] (panels), on the CPU");
-  const bool four = codes.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(four || codes.scalar_type() == torch::kInt8, "codes: uint8 nibbles or int8");
-  TORCH_CHECK(four ? group == kNibbleGroup : (group == 16 || group == 32), "4-bit codes come in groups of 32, 8-bit in 16 or 32");
+  const bool nibbles = codes.scalar_type() == torch::kUInt8;
+  const bool four = nibbles && table.numel() > 0, six = nibbles && table.numel() == 0;  // 6-bit: uint8 and no table
+  TORCH_CHECK(nibbles || codes.scalar_type() == torch::kInt8, "codes: uint8 nibbles (with a table: 4-bit, without: 6-bit) or int8");
+  TORCH_CHECK(four ? group == kNibbleGroup : (group == 16 || group == 32),
+              "4-bit codes come in groups of 32, 6- and 8-bit in 16 or 32");
+  TORCH_CHECK(!six || codes.dim() == 3, "6-bit codes come in panels only");
   TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group ", group);
-  const int64_t n = outputs_of(codes), groups = k / group, group_bytes = four ? 16 : group;
+  const int64_t n = outputs_of(codes), groups = k / group, group_bytes = four ? 16 : six ? group * 3 / 4 : group;
   const bool panels = codes.dim() == 3;
   TORCH_CHECK(panels ? (codes.size(1) == groups && codes.size(2) == kPanel * group_bytes)
                      : codes.size(1) == groups * group_bytes,
@@ -636,15 +685,16 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
   if (zero.numel() > 0) zeros = check_scales(zero, zero_units, "zero", n, groups, panel);
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");
-  Nibbles nibbles = kLookup;
+  Nibbles decode = kLookup;
   if (four && vectorized()) {
     const int8_t* t = table.data_ptr<int8_t>();
     bool consecutive = true;
     for (int i = 1; i < 16; ++i) consecutive = consecutive && t[i] == t[0] + i;
-    if (consecutive) nibbles = t[0] == 0 ? kPlain : kShifted;
+    if (consecutive) decode = t[0] == 0 ? kPlain : kShifted;
   }
+  if (six && vectorized()) decode = kSix;
   return Weight{static_cast<const uint8_t*>(codes.data_ptr()), scales, zeros, groups, group, group_bytes, panel,
-                four ? table.data_ptr<int8_t>() : nullptr, nibbles};
+                four ? table.data_ptr<int8_t>() : nullptr, six, decode};
 }
 
 // x's int16 blocks (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
@@ -671,15 +721,15 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const int64_t groups = k / group;
-  const bool shifted = wt.nibbles == kShifted && wt.panel == kPanel;  // only the panel loop adds shifts
+  const bool shifted = (wt.nibbles == kShifted || wt.nibbles == kSix) && wt.panel == kPanel;  // the panel loop's
   std::unique_ptr<int16_t[]> q(new int16_t[m * k]);
   std::unique_ptr<float[]> d(new float[m * groups]);
   std::unique_ptr<float[]> sum(wt.has_zero() ? new float[m * groups] : nullptr);
   std::unique_ptr<int32_t[]> shift(shifted ? new int32_t[m * groups] : nullptr);
   quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
-               shifted ? wt.table[0] : 0);
+               !shifted ? 0 : wt.six ? kSixOffset : wt.table[0]);
   const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
-  dispatch<MatmulKernel>(wt.four(), group, wt.has_zero(), wt, a, m, out.data_ptr<float>(), n);
+  dispatch<MatmulKernel>(wt.four() || wt.six, group, wt.has_zero(), wt, a, m, out.data_ptr<float>(), n);
   return out;
 }
 

@@ -5,7 +5,7 @@ file's memory map as its tensors arrive: stacked matrices (q/k/v, gate/up) wait 
 their own pieces, and each is turned at once into its final form (runtime/model/quantize.py
 says which), so a 4-bit file never passes through a float32 copy of the whole model: the
 peak is the kept weights plus one layer's pieces. The load log says, per tensor type, the
-form it runs in (grouped4 / grouped8 / int4 / int8 / dense, "rows" for an embedding table kept
+form it runs in (grouped4 / grouped6 / grouped8 / int4 / int8 / dense, "rows" for an embedding table kept
 encoded).
 """
 
@@ -33,7 +33,7 @@ def _dequantized(pieces: list[GGUFTensor]) -> torch.Tensor:  # float32, the piec
 
 def _quantized(pieces: list[GGUFTensor], form: str) -> QuantizedWeight | torch.Tensor:
     """The pieces (row blocks of one matrix, in order) as one quantized weight (float32 where they cannot be)."""
-    if form in ("grouped4", "grouped8"):
+    if form.startswith("grouped"):
         if all(p.qtype in ggml_blocks.GROUPED_TYPES for p in pieces):
             return GroupedWeight.from_groups([ggml_blocks.unpack_groups(p.raw, p.qtype, *p.shape) for p in pieces])
         return _dequantized(pieces)  # stacked with a piece no kernel runs: dense, exactly (install_linear casts)

@@ -3,7 +3,9 @@
     GroupedWeight  value = int(code) * scale[group] (+ zero[group]), the file's values exactly
                    grouped4: 4-bit codes read through a 16-entry int8 table, groups of 32
                              (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS)
-                   grouped8: int8 codes, groups of 32 or 16 (Q5_0, Q5_1, Q8_0, Q5_K; Q6_K per 16)
+                   grouped6: int8 codes in [-32, 31] kept in 6 bits, groups of 32 or 16
+                             (Q5_0, Q5_1, Q5_K; Q6_K per 16)
+                   grouped8: int8 codes, groups of 32 (Q8_0)
 
 The codes, scales and zeros come from runtime/model/ggml_blocks.unpack_groups, which computes
 the scales in float32 as ggml does (d * sc, dmin * m), so int * scale + zero is ggml's value
@@ -86,9 +88,12 @@ class GroupedWeight(QuantizedWeight):
         self.padded_outputs = -out_features % grouped_matmul.PANEL
         if self.padded_outputs:
             ints, scale, zero = grouped_matmul.padded(ints, scale, zero, self.padded_outputs)
+        # 4-bit codes as nibbles; 8-bit ones in 6 bits where they fit (Q5_x's and Q6_K's always do: 6.5 bits a
+        # weight for Q6_K instead of 8.6, the file's 6.56)
+        bits = 4 if self.table is not None else 6 if grouped_matmul.fits_six_bits(ints) else 8
         # codes [out / 16, in // group, 16 * group bytes], scale and zero [out / 16, in // group, 16]
-        self.codes, self.scale, self.zero = grouped_matmul.panels_of_ints(ints, groups.table is not None, scale, zero)
-        self.form = "grouped4" if self.table is not None else "grouped8"
+        self.codes, self.scale, self.zero = grouped_matmul.panels_of_ints(ints, bits, scale, zero)
+        self.form = f"grouped{bits}"
         self._kernel = None  # grouped_matmul.kernel_call for these tensors once first used (False: no C++ kernel)
 
     @classmethod

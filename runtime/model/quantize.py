@@ -5,7 +5,8 @@
     auto   a GGUF file's weights are computed as the file has them, nothing re-quantized: each
            type whose groups a CPU kernel runs keeps them (runtime/model/grouped.py, float32
            scales and sums, the file's values exactly): Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS as
-           grouped4; Q5_0, Q5_1, Q8_0, Q5_K, Q6_K as grouped8. The LM head too, in either
+           grouped4; Q5_0, Q5_1, Q5_K, Q6_K as grouped6 (their int8 codes in 6 bits); Q8_0 as
+           grouped8. The LM head too, in either
            engine dtype (its sums are float32). Other types (F16, BF16, F32, Q2_K, Q3_K, the
            IQ2/IQ3/IQ1 grids, ...) are dequantized to the engine's dtype. A checkpoint folder
            stays dense. gguf_loader logs, per tensor type, the form it runs in.
@@ -46,12 +47,13 @@ def check_quantization(mode: str, device: torch.device) -> None:
 
 
 def gguf_form(mode: str, qtype: int, device: torch.device, lm_head: bool, dtype: torch.dtype) -> str:
-    """'dense', 'grouped4', 'grouped8', 'int8' or 'int4' for a matmul weight of ggml type `qtype` under `mode`."""
+    """'dense', 'grouped4', 'grouped6', 'grouped8', 'int8' or 'int4' for a matmul weight of ggml type `qtype` under
+    `mode`."""
     if device.type != "cpu" or mode == "none":
         return "dense"
     if mode == "auto":  # the file's own groups where a kernel runs them (float32 sums: the LM head too)
         if qtype in ggml_blocks.GROUPED_TYPES:
-            return "grouped4" if qtype in ggml_blocks.FOUR_BIT_TYPES else "grouped8"
+            return "grouped4" if qtype in ggml_blocks.FOUR_BIT_TYPES else "grouped8" if qtype == ggml_blocks.Q8_0 else "grouped6"
         return "dense"
     if lm_head and dtype != COMPUTE_DTYPE:
         return "dense"

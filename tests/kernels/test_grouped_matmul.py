@@ -286,10 +286,13 @@ def test_factored_scales_give_the_float_scales_bits(kind):
 
 def test_the_avx2_build_gives_the_same_bits():
     """The AVX2 loops (8 outputs a vector, a panel in two halves), built with AVX-512 turned off, against the
-    build this CPU makes and the plain one: panels of 4- and 8-bit codes, float32, float16 and factored scales."""
+    build this CPU makes and the plain one: panels of 4-, 6- and 8-bit codes, float32, float16 and factored scales."""
     avx2 = cpu_extension.load("grouped_matmul.cpp", ("-mno-avx512f",))
     factored, _ = _factored(48, 512, "q4_1", 32, True, 8, seed=61)
     weights = [(*grouped_matmul.to_panels(*factored[:3]), factored[3])]
+    for kind in SIX_KINDS:
+        codes, scale, zero, _ = _weight(*kind, seed=62)
+        weights.append((*grouped_matmul.to_panels(codes, scale, zero, bits=6), None))
     for kind in PANEL_KINDS:
         codes, scale, zero, table = _weight(*kind, seed=63)
         scale, zero = scale.half().float(), None if zero is None else zero.half().float()
@@ -307,7 +310,7 @@ def test_the_avx2_build_gives_the_same_bits():
 def _shape_of(weight) -> tuple[int, int]:  # (N, K) of a panel-layout weight
     codes, scale = weight[0], weight[1]
     per_group = codes.shape[2] // grouped_matmul.PANEL  # bytes of one output's group
-    group = 32 if codes.dtype == torch.uint8 else per_group
+    group = per_group * 4 // 3 if grouped_matmul.six_bit(codes) else 32 if codes.dtype == torch.uint8 else per_group
     return codes.shape[0] * grouped_matmul.PANEL, codes.shape[1] * group
 
 
@@ -379,3 +382,63 @@ def test_factored_scales_need_units_of_whole_runs_of_8_groups():
     bad = grouped_matmul.Factored(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 4))  # runs of 4, unchecked
     with pytest.raises(RuntimeError, match="one per 8k groups"):
         grouped_matmul.grouped_matmul(torch.randn(1, 512), codes, bad, None, table)
+
+
+# 8-bit codes in [-32, 31] (Q6_K's q - 32 per 16, Q5_x's per 32) kept in 6 bits: (out, in, "int8", group, zero)
+SIX_KINDS = [(48, 576, "int8", 32, True), (32, 512, "int8", 16, False), (64, 256, "int8", 16, True),
+             (16, 64, "int8", 32, False)]
+
+
+@pytest.mark.parametrize("kind", SIX_KINDS, ids=lambda k: "x".join(map(str, k)))
+def test_six_bit_panels_give_the_eight_bit_bits(kind):
+    """The same integers in 6 bits (the nibbles' layout and 2 high bits an input): every row count gives the 8-bit
+    panels' bits, in both builds, factored scales too; the row layout comes back as the 8-bit codes."""
+    codes, scale, zero, _ = weight = _weight(*kind, seed=71)
+    eight = (*grouped_matmul.to_panels(codes, scale, zero), None)
+    six = (*grouped_matmul.to_panels(codes, scale, zero, bits=6), None)
+    assert grouped_matmul.six_bit(six[0]) and not grouped_matmul.six_bit(eight[0])
+    assert six[0].numel() * 4 == eight[0].numel() * 3  # 6 bits an input, not 8
+    assert torch.equal(grouped_matmul.to_rows(*six[:3])[0], codes)
+    ids = torch.tensor([kind[0] - 1, 0, 5, 11, 5])
+    assert torch.equal(grouped_matmul.select_rows(*six[:3], ids)[0], codes[ids])
+    groups = kind[1] // kind[3]  # Q6_K's factored scales: int8 times a unit per 8 groups (where they divide)
+    factored_pairs = []  # (6-bit, 8-bit) panels with factored scales
+    if groups % 8 == 0:
+        factored = grouped_matmul.factor(torch.randint(-64, 64, scale.shape), torch.rand(kind[0], groups // 8) + 0.5)
+        factored_pairs.append(((*grouped_matmul.to_panels(codes, factored, None, bits=6), None),
+                               (*grouped_matmul.to_panels(codes, factored, None), None)))
+    for rows in ROWS:
+        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 3))
+        out = grouped_matmul.grouped_matmul(x, *six)
+        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *eight))
+        assert torch.equal(grouped_matmul.grouped_matmul(x, *six, portable=True), out)
+        assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
+        for six_factored, eight_factored in factored_pairs:
+            assert torch.equal(grouped_matmul.grouped_matmul(x, *six_factored),
+                               grouped_matmul.grouped_matmul(x, *eight_factored))
+    assert torch.equal(grouped_matmul.grouped_unpack(*six, 1, kind[0]), grouped_matmul.grouped_values(*weight)[1:])
+    x = torch.randn(3, kind[1])
+    assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *six), grouped_matmul.grouped_matmul_torch(x, *weight))
+
+
+def test_a_wrong_high_bit_in_six_bit_panels_fails_the_check():
+    codes, scale, zero, _ = weight = _weight(32, 512, "int8", 16, False, seed=73)
+    panel_codes, panel_scale, _ = grouped_matmul.to_panels(codes, scale, zero, bits=6)
+    wrong = panel_codes.clone()
+    wrong[1, 7, 96 + 64 + 3] ^= 0x20  # group 7's load 1, high byte 3's bit 5: position 35's nibble, bit 1 (h = 0)
+    moved = (grouped_matmul.to_rows(wrong, panel_scale)[0] != codes).nonzero()  # position 35 = 16 * 2 + 2 * 1 + 1
+    assert moved.tolist() == [[16 + 4 * 2 + 1, 7 * 16 + 8 + 1]]  # panel 1's output 9, input 8j + 0 + 0 + e = 9
+    for rows in (1, 9):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, None, None), x, weight) <= \
+            _bound(512, 16)
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, wrong, panel_scale, None, None), x, weight) > \
+            10 * _bound(512, 16)
+
+
+def test_only_codes_in_six_bits_pack_into_six():
+    codes, scale, _, _ = _weight(16, 64, "int8", 32, False, seed=75)
+    codes[3, 9] = 32
+    with pytest.raises(ValueError, match="6"):
+        grouped_matmul.to_panels(codes, scale, None, bits=6)
+    assert not grouped_matmul.fits_six_bits(codes) and grouped_matmul.fits_six_bits(codes.clamp(-32, 31))

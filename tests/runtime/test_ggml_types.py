@@ -23,7 +23,7 @@ from tests.gguf_files import encoded_blocks, q4_k_m_type, retyped, write_gguf
 
 GROUPED = ("Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 FORMS = {"Q4_0": "grouped4", "Q4_1": "grouped4", "IQ4_NL": "grouped4", "Q4_K": "grouped4", "IQ4_XS": "grouped4",
-         "Q5_0": "grouped8", "Q5_1": "grouped8", "Q8_0": "grouped8", "Q5_K": "grouped8", "Q6_K": "grouped8"}
+         "Q5_0": "grouped6", "Q5_1": "grouped6", "Q8_0": "grouped8", "Q5_K": "grouped6", "Q6_K": "grouped6"}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 45, 300, 22, 99, 7], [1] + list(range(60, 101))]
 
@@ -119,7 +119,7 @@ def test_rows_are_the_file_values(type_name, rows):
 
 def test_a_matrix_stacked_from_different_types_keeps_every_value():
     """Q4_K_M's fused q/k/v: Q4_K q and k beside a Q6_K v: each run of one kind in its own form, called apart
-    (q and k stacked as 4-bit codes, v and a Q5_0 block as int8 codes), every value the file's; blocks of
+    (q and k stacked as 4-bit codes, v and a Q5_0 block as int8 codes in 6 bits), every value the file's; blocks of
     different kinds are never stacked into one form."""
     rng = np.random.default_rng(5)
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 16)]
@@ -128,9 +128,9 @@ def test_a_matrix_stacked_from_different_types_keeps_every_value():
     weight = GroupedWeight.from_groups(groups)
     expected = torch.cat([ggml_blocks.dequantize(raw, qtype, (rows, 256)) for raw, qtype, rows in raws])
     assert isinstance(weight, SplitGroupedWeight)
-    assert [(p.form, p.out_features, p.group) for p in weight.parts] == [("grouped4", 96, 32), ("grouped8", 32, 16),
-                                                                         ("grouped8", 16, 32)]
-    assert weight.piece_forms == ["grouped4", "grouped4", "grouped8", "grouped8"] and weight.out_features == 144
+    assert [(p.form, p.out_features, p.group) for p in weight.parts] == [("grouped4", 96, 32), ("grouped6", 32, 16),
+                                                                         ("grouped6", 16, 32)]
+    assert weight.piece_forms == ["grouped4", "grouped4", "grouped6", "grouped6"] and weight.out_features == 144
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(3, 256)
     out = weight.linear(x, bias=torch.ones(144))
@@ -162,10 +162,10 @@ def test_outputs_not_a_multiple_of_16_fill_their_last_panel(type_name):
         assert torch.equal(out, grouped_matmul.grouped_matmul(x, *rows, weight.table))
 
 
-@pytest.mark.parametrize("type_name, bits", [("Q4_0", 4.5), ("Q4_1", 5.0), ("Q8_0", 8.5), ("Q5_0", 8.5)])
+@pytest.mark.parametrize("type_name, bits", [("Q4_0", 4.5), ("Q4_1", 5.0), ("Q8_0", 8.5), ("Q5_0", 6.5), ("Q5_1", 7.0)])
 def test_f16_scales_stay_float16(type_name, bits):
-    """The f16 scale (and min) of Q4_0, Q4_1, Q8_0 and Q5_0 is kept as float16: the file's 4.5 bits a weight for
-    Q4_0 (float32 scales took 5), its values to the bit."""
+    """The f16 scale (and min) of Q4_0, Q4_1, Q8_0 and Q5_x is kept as float16: the file's 4.5 bits a weight for
+    Q4_0 (float32 scales took 5), its values to the bit; Q5_x's codes in 6 bits (8 took 8.5 and 9)."""
     rng = np.random.default_rng(7)
     qtype = int(ggml_blocks.GGMLQuantizationType[type_name])
     raw = encoded_blocks(type_name, 48, 512, rng)
@@ -179,7 +179,7 @@ def test_f16_scales_stay_float16(type_name, bits):
 
 def test_k_quant_scales_stay_factored_and_small():
     """Q4_K's scales and zeros are kept as the file has them (6-bit ints, a unit per 256 values): 4.75 bits a
-    weight, not 6, and Q6_K's: 8.625; the values are the file's."""
+    weight, not 6, and Q6_K's: 6.625 (its codes in 6 bits; the file's 6.5625); the values are the file's."""
     rng = np.random.default_rng(6)
     raw = encoded_blocks("Q4_K", 64, 512, rng)
     weight = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q4_K, 64, 512)])
@@ -189,7 +189,7 @@ def test_k_quant_scales_stay_factored_and_small():
     raw = encoded_blocks("Q6_K", 32, 512, rng)
     six = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 32, 512)])
     assert isinstance(six.scale, grouped_matmul.Factored) and six.zero is None and six.group == 16
-    assert six.nbytes() * 8 / (32 * 512) == 8.625
+    assert six.form == "grouped6" and six.nbytes() * 8 / (32 * 512) == 6.625
     assert torch.equal(six.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q6_K, (32, 512)))
     x = torch.randn(2, 512)
     _check_close(six.linear(x), x, six, torch.float32)
@@ -237,7 +237,7 @@ def test_auto_gives_the_tokens_of_the_dequantized_file(f32_files, type_name, tie
     forms = next(entry["forms"] for entry in logs if entry["event"] == "GGUF loaded")
     # an untied embedding table is kept in the file's blocks, its rows decoded as looked up ("rows"); the mix
     # stacks Q4_K q and k with a Q6_K v: each kept in its own form, called apart
-    expected = {"F32": "dense", **({"Q4_K": "grouped4", "Q6_K": "grouped8", "Q5_0": "grouped8", "Q8_0": "rows"}
+    expected = {"F32": "dense", **({"Q4_K": "grouped4", "Q6_K": "grouped6", "Q5_0": "grouped6", "Q8_0": "rows"}
                                    if type_name == "mixed" else {type_name: FORMS[type_name] + ("" if tied else "+rows")})}
     assert forms == expected
     assert model.weight_bytes() < dense.runner.model.weight_bytes() / 2.5

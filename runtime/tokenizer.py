@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _RustTokenizer
 
 from runtime.chat_template import ChatTemplate
+from runtime.gguf_tokenizer import TokenizerBuild, TokenizerBuildError
 from runtime.model.config import UnsupportedModelError
 
 
@@ -41,26 +42,21 @@ class HFTokenizer:
                     _token_text(config.get("eos_token")), template)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, checkpoint=None) -> HFTokenizer:
+    def from_gguf(cls, path: str | Path, checkpoint=None, build: TokenizerBuild | None = None) -> HFTokenizer:
         """The tokenizer and chat template a GGUF file's metadata holds, built by transformers' GGUF
-        conversion (the same tokens transformers gives for that file). `checkpoint`: the file, already
-        open (a GGUFCheckpoint). GGUFError if the file has no tokenizer."""
-        from runtime.model.gguf_file import GGUFCheckpoint, GGUFError
+        conversion (the same tokens transformers gives for that file), in a child process
+        (runtime/gguf_tokenizer.py). `checkpoint`: the file, already open (a GGUFCheckpoint); `build`: its
+        build, already started (start_gguf_build). GGUFError if the file has no tokenizer."""
+        from runtime.model.gguf_file import GGUFError
 
-        path = Path(path)
-        checkpoint = checkpoint or GGUFCheckpoint(path)
-        missing = [key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if not checkpoint.has_field(key)]
-        if missing:
-            raise GGUFError(f"{path}: the file's metadata holds no tokenizer ({', '.join(missing)} missing)")
+        build = build or start_gguf_build(path, checkpoint)
         try:
-            from transformers import AutoTokenizer
-
-            with checkpoint.reader_reused():
-                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as exc:
-            raise GGUFError(f"{path}: its tokenizer could not be built ({type(exc).__name__}: {exc})") from exc
+            parts = build.parts()
+        except TokenizerBuildError as exc:
+            raise GGUFError(f"{path}: its tokenizer could not be built ({exc})") from exc
         tokenizer = cls.__new__(cls)
-        tokenizer._setup(hf.backend_tokenizer, hf.bos_token, hf.eos_token, hf.chat_template)
+        tokenizer._setup(_RustTokenizer.from_str(parts.tokenizer_json), parts.bos_token, parts.eos_token,
+                         parts.chat_template)
         return tokenizer
 
     def _setup(self, rust_tokenizer: _RustTokenizer, bos_token: str | None, eos_token: str | None,
@@ -151,6 +147,18 @@ class ByteTokenizer:
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         return self.encode(self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs),
                            add_special_tokens=True)
+
+
+def start_gguf_build(path: str | Path, checkpoint=None) -> TokenizerBuild:
+    """A GGUF file's tokenizer build, started (HFTokenizer.from_gguf takes it when the weights are in).
+    GGUFError now if the file's metadata holds no tokenizer. `checkpoint`: the file, already open."""
+    from runtime.model.gguf_file import GGUFCheckpoint, GGUFError
+
+    checkpoint = checkpoint or GGUFCheckpoint(path)
+    missing = [key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if not checkpoint.has_field(key)]
+    if missing:
+        raise GGUFError(f"{path}: the file's metadata holds no tokenizer ({', '.join(missing)} missing)")
+    return TokenizerBuild(path)
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:

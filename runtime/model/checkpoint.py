@@ -18,7 +18,7 @@ from runtime.model.gguf_loader import load_gguf_model
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.loader import load_model
 from runtime.model.quantize import check_quantization, quantize_model
-from runtime.tokenizer import HFTokenizer
+from runtime.tokenizer import HFTokenizer, start_gguf_build
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +45,14 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
         config = checkpoint.model_config()
         log.info("loading GGUF", path=str(path), architecture=checkpoint.architecture, layers=config.num_layers,
                  types=checkpoint.tensor_types, quantization=quantization)
-        tokenizer = HFTokenizer.from_gguf(path, checkpoint) if with_tokenizer else None
-        net = load_gguf_model(checkpoint, device, dtype, quantization, show_progress=show_progress)
+        build = start_gguf_build(path, checkpoint) if with_tokenizer else None  # a child builds it meanwhile
+        try:
+            net = load_gguf_model(checkpoint, device, dtype, quantization, show_progress=show_progress)
+        except BaseException:
+            if build is not None:
+                build.cancel()
+            raise
+        tokenizer = HFTokenizer.from_gguf(path, checkpoint, build) if build is not None else None
         checkpoint.close()
         _return_freed_memory()
         return net, tokenizer, path.name.removesuffix(".gguf")

@@ -1,8 +1,8 @@
 """A GGUF file (llama.cpp's format) as this runtime reads it: architecture, tokenizer, tensors.
 
-The file is opened with llama.cpp's own reader (the `gguf` package), which maps it into
-memory: nothing is read until a tensor is asked for, and tensors are handed out one at a
-time under their Hugging Face names, so a loader never holds more than one of them
+The file is mapped into memory and its header read by runtime/model/gguf_header.py (its arrays,
+the tokenizer's vocabulary and merges, stay bytes in the map): nothing is read until a tensor is
+asked for, and tensors are handed out one at a time under their Hugging Face names, so a loader never holds more than one of them
 unpacked. Every problem (not a GGUF file, cut short, an architecture or tensor type this
 runtime does not run) is a GGUFError naming the file.
 
@@ -21,9 +21,7 @@ LongRoPE factors as tensors; Llama 3.1's scaled rope as rope_freqs (each pair's 
 
 from __future__ import annotations
 
-import contextlib
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch
 
 from runtime.model import ggml_blocks
 from runtime.model.config import ModelConfig, UnsupportedModelError, model_config_from_hf
+from runtime.model.gguf_header import GGUFHeader, TensorInfo
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # Mistral's files are "llama"
 PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows reordered by llama.cpp's converter
@@ -106,9 +105,6 @@ def _inverse_rope_permutation(rows: int, num_heads: int) -> np.ndarray:  # int64
     return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)  # [hf row] -> file row
 
 
-_READER_SWAP_LOCK = threading.Lock()  # one GGUFCheckpoint.reader_reused at a time
-
-
 class GGUFCheckpoint:
     """An open GGUF file: its metadata, model config and tensors (read lazily from the memory map)."""
 
@@ -116,74 +112,46 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such file")
-        from gguf import GGUFReader  # llama.cpp's reader
-
         try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as exc:  # the reader raises ValueError, IndexError, struct errors ... on a bad file
+            self._header = GGUFHeader(self.path)
+        except (ValueError, UnicodeDecodeError, OSError) as exc:
             raise GGUFError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                             "the file may be cut short or not a GGUF file at all") from exc
-        self._fields = self._reader.fields
         self.architecture = self.field("general.architecture", None)
         if self.architecture not in ARCHITECTURES:
             raise GGUFError(f"{self.path}: architecture {self.architecture!r} is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors: dict[str, TensorInfo] = {t.name: t for t in self._header.tensors}
         self._check_tensor_data()
 
     def _check_tensor_data(self) -> None:
         """Every tensor's bytes lie inside the file (a cut-short file fails here, not mid-load)."""
-        size = self.path.stat().st_size
-        for tensor in self._reader.tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
+        size = self._header.size
+        for tensor in self._header.tensors:
+            end = tensor.data_offset + tensor.n_bytes
             if end > size:
                 raise GGUFError(f"{self.path}: cut short: tensor {tensor.name} ends at byte {end}, "
                                 f"past the file's {size} bytes")
-            if int(tensor.tensor_type) not in ggml_blocks.SUPPORTED_TYPES:
-                raise GGUFError(f"{self.path}: tensor {tensor.name} has type "
-                                f"{getattr(tensor.tensor_type, 'name', tensor.tensor_type)}, which this runtime "
-                                f"does not read (supported: {', '.join(ggml_blocks.TYPE_NAMES.values())})")
-
-    @contextlib.contextmanager
-    def reader_reused(self) -> Iterator[None]:
-        """While inside, gguf.GGUFReader(this file) gives the reader already open instead of parsing again.
-
-        transformers' AutoTokenizer picks the tokenizer's class from a config that it parses out of
-        the file with gguf's GGUFReader: a second full parse of the vocabulary and merges (~2.3 s
-        of a ~15 s start-up for SmolLM2's 49,152 tokens). Only this path is served; any other
-        file, or other arguments, get a new reader as before.
-        """
-        import gguf
-
-        with _READER_SWAP_LOCK:
-            original = gguf.GGUFReader
-
-            def reader(path, *args, **kwargs):
-                if not args and not kwargs and Path(path).resolve() == self.path.resolve():
-                    return self._reader
-                return original(path, *args, **kwargs)
-
-            gguf.GGUFReader = reader
-            try:
-                yield
-            finally:
-                gguf.GGUFReader = original
+            if tensor.qtype not in ggml_blocks.SUPPORTED_TYPES:
+                raise GGUFError(f"{self.path}: tensor {tensor.name} has type {ggml_blocks.type_name(tensor.qtype)}, "
+                                f"which this runtime does not read (supported: "
+                                f"{', '.join(ggml_blocks.TYPE_NAMES.values())})")
 
     _MISSING = object()
 
     def field(self, key: str, default=_MISSING):
         """A metadata value (str, number, or list), or `default` if the file lacks it."""
-        field = self._fields.get(key)
-        if field is None:
+        if not self._header.has(key):
             if default is self._MISSING:
                 raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
             return default
-        if len(field.types) > 1 and field.types[0].name == "ARRAY":
-            return [field.contents(i) for i in range(len(field.data))]
-        return field.contents()
+        try:
+            return self._header.value(key)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise GGUFError(f"{self.path}: metadata key {key!r} cannot be read ({exc})") from exc
 
     def has_field(self, key: str) -> bool:
-        return key in self._fields
+        return self._header.has(key)
 
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
@@ -192,8 +160,8 @@ class GGUFCheckpoint:
     def tensor_types(self) -> dict[str, int]:
         """How many tensors of each ggml type the file holds, by type name."""
         counts: dict[str, int] = {}
-        for tensor in self._reader.tensors:
-            name = ggml_blocks.type_name(int(tensor.tensor_type))
+        for tensor in self._header.tensors:
+            name = ggml_blocks.type_name(tensor.qtype)
             counts[name] = counts.get(name, 0) + 1
         return counts
 
@@ -209,7 +177,7 @@ class GGUFCheckpoint:
             embed = self._tensors.get("token_embd.weight")
             if embed is None:
                 raise GGUFError(f"{self.path}: no token_embd.weight tensor")
-            vocab = int(embed.shape[1])
+            vocab = int(embed.dims[1])
         rope_scaling = self._rope_scaling(key)
         eos = self.field("tokenizer.ggml.eos_token_id", None)
         num_layers = int(key("block_count"))
@@ -266,10 +234,9 @@ class GGUFCheckpoint:
     def _small_tensor(self, name: str) -> list[float]:
         """A small float tensor's values (rope factors), as llama.cpp stores them."""
         tensor = self._tensors[name]
-        if int(tensor.tensor_type) != ggml_blocks.F32:
-            raise GGUFError(f"{self.path}: tensor {name} is {ggml_blocks.type_name(int(tensor.tensor_type))}, "
-                            "expected F32")
-        return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+        if tensor.qtype != ggml_blocks.F32:
+            raise GGUFError(f"{self.path}: tensor {name} is {ggml_blocks.type_name(tensor.qtype)}, expected F32")
+        return [float(v) for v in np.asarray(self._header.data(tensor), dtype=np.float32).reshape(-1)]
 
     def _rope_scaling(self, key) -> dict:
         """The rope scaling in ModelConfig's terms, from the metadata and the factor tensors llama.cpp writes."""
@@ -317,19 +284,19 @@ class GGUFCheckpoint:
     def tensors(self) -> Iterator[GGUFTensor]:
         """Each tensor the model uses, under its Hugging Face name, q/k rows in Hugging Face's order."""
         config = self.hf_config()
-        for tensor in self._reader.tensors:
+        for tensor in self._header.tensors:
             name = self._hf_name(tensor.name)
             if name is None:
                 continue
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest dimension first
-            raw = tensor.data
+            shape = tuple(reversed(tensor.dims))  # ggml lists the fastest dimension first
+            raw = self._header.data(tensor)
             if self.architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "k_proj.weight",
                                                                               "q_proj.bias", "k_proj.bias")):
                 heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
                 raw = np.asarray(raw).reshape(shape[0], -1)[_inverse_rope_permutation(shape[0], heads)]
-            yield GGUFTensor(name, tensor.name, int(tensor.tensor_type), shape, raw)
+            yield GGUFTensor(name, tensor.name, tensor.qtype, shape, raw)
 
     def close(self) -> None:
         """Drop the memory map (tensors handed out keep their own reference to it)."""
-        self._reader = None
+        self._header = None
         self._tensors = {}

@@ -153,7 +153,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
         self.lm_head_packed = None  # oneDNN layout of lm_head once packed, or its QuantizedWeight
         self.embed_rows = None  # set when the embedding table is kept quantized: .rows(ids, dtype) looks rows up
-        self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
+        # float32 [max_positions, rotary_size]; a model built on the meta device (the GGUF loader's) gets them in
+        # place(): computed there, they would run torch's Python meta kernels, whose first call imports its
+        # compiler stack (~200 MB resident in every server)
+        self.rope_cos = self.rope_sin = None
+        if torch.get_default_device().type != "meta":
+            self.rope_cos, self.rope_sin = rope_cos_sin(config, config.max_position_embeddings)
         self.local_rope_cos = self.local_rope_sin = None  # Gemma 3's windowed layers' own tables (set by place)
         self.embedding_scale = None  # Gemma: a 0-d tensor in the weights' dtype (set by place)
 

@@ -7,12 +7,20 @@ the server keeps: the tokenizer as tokenizer.json text, its bos and eos tokens a
 The server builds the same Rust tokenizer from that text (the same token ids: the JSON is the
 tokenizer's whole state). The child starts while the weights load, so it costs no start-up time.
 
+What the child gives is kept on disk, keyed by a hash of the file's metadata (everything before the
+tensor data: the tokenizer is made from it alone) and transformers' version: a server started again
+on the same file, or on a copy, skips the child. The cache lives in $PAGEDSERVE_CACHE_DIR, else
+$XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve (gguf-tokenizers/); an entry that cannot be
+read is built again, and one that cannot be written is only logged.
+
     python -m runtime.gguf_tokenizer FILE.gguf OUT.json    (what TokenizerBuild runs)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -21,9 +29,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import structlog
+
+log = structlog.get_logger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]  # the child imports `runtime` from here
 BUILD_TIMEOUT_S = 600.0  # a tokenizer of any size builds in seconds; past this the child is stuck
+CACHE_FORMAT = 1  # bump when TokenizerParts or the conversion's use changes
+HASH_CHUNK_BYTES = 1 << 22
 
 
 class TokenizerParts(msgspec.Struct):
@@ -39,10 +52,44 @@ class TokenizerBuildError(RuntimeError):
     """The child could not build the tokenizer; the message says why (the caller names the file)."""
 
 
-class TokenizerBuild:
-    """The child process building one file's tokenizer: start it, go on, then take `parts()`."""
+def cache_dir() -> Path:
+    """Where built tokenizers are kept (see the module's docstring)."""
+    if os.environ.get("PAGEDSERVE_CACHE_DIR"):
+        return Path(os.environ["PAGEDSERVE_CACHE_DIR"]) / "gguf-tokenizers"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedserve" / "gguf-tokenizers"
 
-    def __init__(self, path: str | Path) -> None:
+
+def metadata_key(path: Path, metadata_bytes: int) -> str:
+    """The cache key of a file's tokenizer: sha256 of its first `metadata_bytes` bytes (the header), the
+    cache format and transformers' version (the conversion's code)."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT} {importlib.metadata.version('transformers')}\n".encode())
+    with path.open("rb") as file:
+        left = metadata_bytes
+        while left > 0:
+            chunk = file.read(min(left, HASH_CHUNK_BYTES))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+class TokenizerBuild:
+    """One file's tokenizer: from the cache, or a child process building it (started here; take `parts()`)."""
+
+    def __init__(self, path: str | Path, metadata_bytes: int) -> None:
+        self._cached: TokenizerParts | None = None
+        self._child = None
+        self._entry = cache_dir() / f"{metadata_key(Path(path), metadata_bytes)}.json"
+        try:
+            self._cached = msgspec.json.decode(self._entry.read_bytes(), type=TokenizerParts)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            pass  # not built yet (or unreadable): the child builds it
+        self.from_cache = self._cached is not None and not self._cached.error and bool(self._cached.tokenizer_json)
+        if self.from_cache:
+            return
+        self._cached = None
         descriptor, name = tempfile.mkstemp(prefix="pagedserve-tokenizer-", suffix=".json")
         os.close(descriptor)
         self._out = Path(name)
@@ -52,7 +99,25 @@ class TokenizerBuild:
                                        env=env)
 
     def parts(self) -> TokenizerParts:
-        """Wait for the child; its TokenizerParts, or TokenizerBuildError naming what went wrong."""
+        """The cached TokenizerParts, or the child's (then kept in the cache); TokenizerBuildError naming what
+        went wrong."""
+        if self._cached is not None:
+            return self._cached
+        parts = self._wait()
+        self._keep(parts)
+        return parts
+
+    def _keep(self, parts: TokenizerParts) -> None:
+        staged = self._entry.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            self._entry.parent.mkdir(parents=True, exist_ok=True)
+            staged.write_bytes(msgspec.json.encode(parts))
+            staged.replace(self._entry)  # whole or not at all, whoever else writes the same entry
+        except OSError as exc:
+            log.warning("tokenizer not cached", entry=str(self._entry), error=str(exc))
+            staged.unlink(missing_ok=True)
+
+    def _wait(self) -> TokenizerParts:
         try:
             _, stderr = self._child.communicate(timeout=BUILD_TIMEOUT_S)
             data = self._out.read_bytes()
@@ -71,6 +136,8 @@ class TokenizerBuild:
 
     def cancel(self) -> None:
         """Stop the child (its tokenizer is no longer wanted) and remove its output."""
+        if self._child is None:
+            return
         self._child.kill()
         self._child.communicate()
         self._out.unlink(missing_ok=True)

@@ -158,7 +158,7 @@ def start_gguf_build(path: str | Path, checkpoint=None) -> TokenizerBuild:
     missing = [key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if not checkpoint.has_field(key)]
     if missing:
         raise GGUFError(f"{path}: the file's metadata holds no tokenizer ({', '.join(missing)} missing)")
-    return TokenizerBuild(path)
+    return TokenizerBuild(path, checkpoint.metadata_bytes)
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer | ByteTokenizer:

@@ -1,9 +1,13 @@
 """Shared fixtures: the stories260K checkpoint, random-weight checkpoints, a transformers reference."""
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# built GGUF tokenizers (runtime/gguf_tokenizer.py) kept for this session only: a run starts cold, and the
+# user's own cache is neither read nor written
+os.environ.setdefault("PAGEDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pagedserve-test-cache-"))
 
 import json
 import shutil

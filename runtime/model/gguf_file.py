@@ -150,6 +150,11 @@ class GGUFCheckpoint:
         except (ValueError, UnicodeDecodeError) as exc:
             raise GGUFError(f"{self.path}: metadata key {key!r} cannot be read ({exc})") from exc
 
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes before the tensor data: the header (magic, metadata, tensor infos, padding)."""
+        return self._header.data_start
+
     def has_field(self, key: str) -> bool:
         return self._header.has(key)
 

@@ -4,6 +4,7 @@
     header.value(key)             a metadata value: str, int, float, bool, or a list of them
     header.tensors                TensorInfo per tensor: name, dims (ggml order: fastest first), ggml
                                   type, data_offset (from the file's start), n_bytes
+    header.data_start             where the tensor data begins: the header's length, padding included
     header.data(info)             the tensor's bytes as a numpy view of the memory map, typed and shaped
                                   as gguf's GGUFReader gives them (F32/F16/F64/I*: values in numpy order;
                                   other types: uint8 rows of whole blocks)
@@ -134,6 +135,7 @@ class GGUFHeader:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-cursor.pos // alignment) * alignment
+        self.data_start = start  # the header's end: the tensor data's offsets count from here
         self.tensors = [self._info(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("a tensor name appears twice")

@@ -40,7 +40,7 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
                result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
                plain builds agree to the bit (tests: the build this CPU makes and the plain one). Only
                the panel layout has vector loops (runtime/model/grouped.py pads any N to panels). (llama.cpp rounds activations to int8 per 32: 2^-8.)
-               grouped_unpack: rows [start, end) of W in float32
+               grouped_unpack: rows [start, end) of W in float32; grouped_rows: rows by id
     check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
 
@@ -376,3 +376,12 @@ def grouped_unpack(codes: torch.Tensor, scale: Scales, zero: Scales | None, tabl
     (scale_values, scale_units), (zero_values, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
     return _extension(portable).grouped_unpack(codes, scale_values, scale_units, zero_values, zero_units,
                                                _table(table), _group(codes, scale), start, end)
+
+
+def grouped_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
+                 ids: torch.Tensor, portable: bool = False) -> torch.Tensor:  # float32 [R, K]
+    """Rows `ids` int64 [R] of W, the file's values (grouped_values(...)[ids] to the bit), by the C++ kernel (needs
+    `available()`): only each id's bytes are read (an embedding lookup from a tied head, every step)."""
+    (scale_values, scale_units), (zero_values, zero_units) = _kernel_scales(scale), _kernel_scales(zero)
+    return _extension(portable).grouped_rows(codes, scale_values, scale_units, zero_values, zero_units,
+                                             _table(table), _group(codes, scale), ids.reshape(-1).to(torch.int64))

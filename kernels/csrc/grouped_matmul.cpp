@@ -47,7 +47,8 @@
 // outputs. AVX2 runs the same loop 8 outputs at a time (each half of the 64 bytes). The outputs are split
 // between the threads in panels (at::parallel_for); the rows run in chunks that stay in L2. Row layouts
 // and the plain build take the scalar loop, which states the arithmetic.
-// grouped_unpack: rows [start, end) of W in float32 (the references, and anything that wants W dense).
+// grouped_unpack: rows [start, end) of W in float32 (the references, and anything that wants W dense);
+// grouped_rows: rows by id (an embedding lookup from a tied head's groups).
 
 #include <torch/extension.h>
 
@@ -612,24 +613,26 @@ struct MatmulKernel {
   }
 };
 
-// rows [start, end) of W as float32: value = int * scale (+ zero), exactly the file's values
+// output n of W as float32 [K] at `to`: value = int * scale (+ zero), exactly the file's values
+void unpack_output(const Weight& wt, int64_t n, float* to) {
+  int32_t ints[32];
+  for (int64_t g = 0; g < wt.groups; ++g, to += wt.group) {
+    wt.decode_group(n, g, ints);
+    const float s = wt.scale.value(n, g);
+    if (wt.has_zero()) {
+      const float z = wt.zero.value(n, g);
+      for (int64_t i = 0; i < wt.group; ++i) to[i] = __builtin_fmaf(static_cast<float>(ints[i]), s, z);
+    } else {
+      for (int64_t i = 0; i < wt.group; ++i) to[i] = static_cast<float>(ints[i]) * s;
+    }
+  }
+}
+
+// rows [start, end) of W as float32
 void unpack_rows(const Weight& wt, int64_t start, int64_t end, float* out) {
   const int64_t k = wt.groups * wt.group;
   at::parallel_for(start, end, 16, [&](int64_t begin, int64_t stop) {
-    int32_t ints[32];
-    for (int64_t n = begin; n < stop; ++n) {
-      for (int64_t g = 0; g < wt.groups; ++g) {
-        wt.decode_group(n, g, ints);
-        const float s = wt.scale.value(n, g);
-        float* to = out + (n - start) * k + g * wt.group;
-        if (wt.has_zero()) {
-          const float z = wt.zero.value(n, g);
-          for (int64_t i = 0; i < wt.group; ++i) to[i] = __builtin_fmaf(static_cast<float>(ints[i]), s, z);
-        } else {
-          for (int64_t i = 0; i < wt.group; ++i) to[i] = static_cast<float>(ints[i]) * s;
-        }
-      }
-    }
+    for (int64_t n = begin; n < stop; ++n) unpack_output(wt, n, out + (n - start) * k);
   });
 }
 
@@ -745,6 +748,26 @@ torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& sc
   return out;
 }
 
+// rows `ids` [R] of W as float32 [R, K] (an embedding lookup from a tied head: each id's own bytes only)
+torch::Tensor grouped_rows(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
+                           const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
+                           int64_t group, const torch::Tensor& ids) {
+  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 16, K / group, 16]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.device().is_cpu(), "ids: int64 [R] on the CPU");
+  const int64_t k = scale.size(1) * group;
+  const Weight wt = check_weight(codes, scale, scale_units, zero, zero_units, table, group, k);
+  const auto wanted = ids.contiguous();
+  const int64_t* id = wanted.data_ptr<int64_t>();
+  const int64_t count = wanted.numel(), n = outputs_of(codes);
+  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(0 <= id[r] && id[r] < n, "row id ", id[r], " out of [0, ", n, ")");
+  auto out = torch::empty({count, k}, codes.options().dtype(torch::kFloat32));
+  float* rows = out.data_ptr<float>();
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) unpack_output(wt, id[r], rows + r * k);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -754,6 +777,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, kReleaseGil,
         "x float32 [M, K] -> (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
+  m.def("grouped_rows", &grouped_rows, kReleaseGil, "rows ids [R] of a grouped weight as float32 [R, K] (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the vector loops (AVX2, FMA and F16C; AVX-512 where present)");
   static const pagedserve::GroupedMatmulEntries entries{&grouped_matmul};
   m.attr("entry_points") = pagedserve::export_entries(&entries);

@@ -137,6 +137,8 @@ class GroupedWeight(QuantizedWeight):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
         """Rows `ids` of the weight (an embedding lookup from the LM head's table), the file's values."""
         ids = ids.reshape(-1).cpu()
+        if grouped_matmul.available():  # [len(ids), in] float32, from each id's own bytes
+            return grouped_matmul.grouped_rows(self.codes, self.scale, self.zero, self.table, ids).to(dtype)
         codes, scale, zero = grouped_matmul.select_rows(self.codes, self.scale, self.zero, ids)
         return grouped_matmul.grouped_values(codes, scale, zero, self.table).to(dtype)
 

@@ -214,6 +214,12 @@ def test_the_panel_layout_gives_the_row_layouts_bits(kind):
         assert torch.equal(grouped_matmul.grouped_matmul(x, *panels, portable=True), out)
         assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
     assert torch.equal(grouped_matmul.grouped_unpack(*panels, 3, kind[0] - 2), grouped_matmul.grouped_values(*weight)[3:-2])
+    for layout in (panels, weight):  # rows by id: each id's values, both builds
+        assert torch.equal(grouped_matmul.grouped_rows(*layout, ids), grouped_matmul.grouped_values(*weight)[ids])
+        assert torch.equal(grouped_matmul.grouped_rows(*layout, ids, portable=True), grouped_matmul.grouped_values(*weight)[ids])
+    assert grouped_matmul.grouped_rows(*panels, ids[:0]).shape == (0, kind[1])
+    with pytest.raises(RuntimeError, match="out of"):
+        grouped_matmul.grouped_rows(*panels, torch.tensor([kind[0]]))
     assert torch.equal(grouped_matmul.grouped_values(*panels), grouped_matmul.grouped_values(*weight))
     x = torch.randn(3, kind[1])
     assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *panels), grouped_matmul.grouped_matmul_torch(x, *weight))
@@ -417,6 +423,8 @@ def test_six_bit_panels_give_the_eight_bit_bits(kind):
             assert torch.equal(grouped_matmul.grouped_matmul(x, *six_factored),
                                grouped_matmul.grouped_matmul(x, *eight_factored))
     assert torch.equal(grouped_matmul.grouped_unpack(*six, 1, kind[0]), grouped_matmul.grouped_values(*weight)[1:])
+    assert torch.equal(grouped_matmul.grouped_rows(*six, ids), grouped_matmul.grouped_values(*weight)[ids])
+    assert torch.equal(grouped_matmul.grouped_rows(*six, ids, portable=True), grouped_matmul.grouped_values(*weight)[ids])
     x = torch.randn(3, kind[1])
     assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *six), grouped_matmul.grouped_matmul_torch(x, *weight))
 

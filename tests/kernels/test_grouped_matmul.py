@@ -193,6 +193,16 @@ PANEL_KINDS = [(48, 576, "iq4_nl", 32, True), (144, 192, "q4_0", 32, False), (48
                (32, 512, "int8", 16, False), (48, 576, "q4_1", 32, True), (64, 192, "q4_0", 32, True)]
 
 
+def _assert_the_same_bits_at_every_row_count(layout, twin, weight, kind, seed):
+    """`layout` gives `twin`'s bits for every row count of ROWS, in both builds, within the bound of `weight`."""
+    for rows in ROWS:
+        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + seed))
+        out = grouped_matmul.grouped_matmul(x, *layout)
+        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *twin))
+        assert torch.equal(grouped_matmul.grouped_matmul(x, *layout, portable=True), out)
+        assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
+
+
 @pytest.mark.parametrize("kind", PANEL_KINDS, ids=lambda k: "x".join(map(str, k)))
 def test_the_panel_layout_gives_the_row_layouts_bits(kind):
     """The same bytes with 16 outputs' groups interleaved (one vector of outputs a load): any row count
@@ -207,12 +217,7 @@ def test_the_panel_layout_gives_the_row_layouts_bits(kind):
     picked = grouped_matmul.select_rows(panel_codes, panel_scale, panel_zero, ids)
     assert torch.equal(picked[0], codes[ids]) and torch.equal(picked[1], scale[ids])
     assert (picked[2] is None) if zero is None else torch.equal(picked[2], zero[ids])
-    for rows in ROWS:
-        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 1))
-        out = grouped_matmul.grouped_matmul(x, *panels)
-        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight))
-        assert torch.equal(grouped_matmul.grouped_matmul(x, *panels, portable=True), out)
-        assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
+    _assert_the_same_bits_at_every_row_count(panels, weight, weight, kind, seed=1)
     assert torch.equal(grouped_matmul.grouped_unpack(*panels, 3, kind[0] - 2), grouped_matmul.grouped_values(*weight)[3:-2])
     for layout in (panels, weight):  # rows by id: each id's values, both builds
         assert torch.equal(grouped_matmul.grouped_rows(*layout, ids), grouped_matmul.grouped_values(*weight)[ids])
@@ -413,13 +418,10 @@ def test_six_bit_panels_give_the_eight_bit_bits(kind):
         factored = grouped_matmul.factor(torch.randint(-64, 64, scale.shape), torch.rand(kind[0], groups // 8) + 0.5)
         factored_pairs.append(((*grouped_matmul.to_panels(codes, factored, None, bits=6), None),
                                (*grouped_matmul.to_panels(codes, factored, None), None)))
-    for rows in ROWS:
-        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 3))
-        out = grouped_matmul.grouped_matmul(x, *six)
-        assert torch.equal(out, grouped_matmul.grouped_matmul(x, *eight))
-        assert torch.equal(grouped_matmul.grouped_matmul(x, *six, portable=True), out)
-        assert _error_ratio(out, x, weight) <= _bound(kind[1], kind[3])
-        for six_factored, eight_factored in factored_pairs:
+    _assert_the_same_bits_at_every_row_count(six, eight, weight, kind, seed=3)
+    for six_factored, eight_factored in factored_pairs:
+        for rows in ROWS:
+            x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 5))
             assert torch.equal(grouped_matmul.grouped_matmul(x, *six_factored),
                                grouped_matmul.grouped_matmul(x, *eight_factored))
     assert torch.equal(grouped_matmul.grouped_unpack(*six, 1, kind[0]), grouped_matmul.grouped_values(*weight)[1:])

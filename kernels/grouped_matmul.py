@@ -246,15 +246,16 @@ def select_rows(codes: torch.Tensor, scale: Scales, zero: Scales | None,
 
 
 def _six_rows(codes: torch.Tensor, panel: torch.Tensor, output: torch.Tensor) -> torch.Tensor:  # int8 [R, K]
-    """Outputs (panel, output) [R] of 6-bit panel codes as 8-bit row-layout codes (only their panels' bytes read)."""
-    groups = codes.shape[1]
-    loads = codes[panel].view(len(panel), groups, -1, SIX_LOW + SIX_HIGH)  # [R, groups, j, 96]: each id's panel
-    top = loads[..., SIX_LOW:]
-    positions = torch.cat([top & 0x0F, top >> 4], dim=-1)  # [R, groups, j, 64]: position p's high nibble
-    shape = (len(panel), groups, loads.shape[2], 4, 2, 4, 2)  # [R, groups, j, c, s, t, e]
-    own = torch.arange(len(panel)), output // 4, output % 4  # each id's row, c and t
-    low = loads[..., :SIX_LOW].reshape(shape).permute(0, 3, 5, 1, 2, 4, 6)[own]  # [R, groups, j, s, e]
-    high = positions.reshape(shape).permute(0, 3, 5, 1, 2, 4, 6)[own]
+    """Outputs (panel, output) [R] of 6-bit panel codes as 8-bit row-layout codes (only each output's own bytes
+    gathered: to_rows of every output reads each byte once)."""
+    count, groups = codes.shape[:2]
+    loads = codes.view(count, groups, -1, SIX_LOW + SIX_HIGH)  # [N / 16, groups, j, 96]
+    c, t = output // 4, output % 4  # [R] each
+    # low nibbles: byte 16c + 8s + 2t + e of the 64; high bits: position p = 16c + 8s + 2t + e's nibble, the low
+    # half of byte p (p < 32) or the high half of byte p - 32 of the 32
+    low = loads[..., :SIX_LOW].unflatten(-1, (4, 2, 4, 2))[panel, :, :, c, :, t, :]  # [R, groups, j, s, e]
+    top = loads[..., SIX_LOW:].unflatten(-1, (2, 2, 4, 2))[panel, :, :, c % 2, :, t, :]  # [R, groups, j, s, e]
+    high = (top >> (4 * (c // 2)).to(torch.uint8).view(-1, 1, 1, 1, 1)) & 0x0F
     q = torch.stack(((low & 0x0F) | ((high & 3) << 4), (low >> 4) | ((high >> 2) << 4)), dim=-1)  # [R, groups, j, s, e, h]
     q = q.permute(0, 1, 2, 5, 3, 4).reshape(len(panel), -1)  # input 8j + 4h + 2s + e
     return (q.to(torch.int16) - SIX_OFFSET).to(torch.int8)

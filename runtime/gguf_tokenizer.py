@@ -63,7 +63,11 @@ def cache_dir() -> Path:
 def metadata_key(path: Path, metadata_bytes: int) -> str:
     """The cache key of a file's tokenizer: sha256 of its first `metadata_bytes` bytes (the header), the
     cache format and transformers' version (the conversion's code)."""
-    digest = hashlib.sha256(f"{CACHE_FORMAT} {importlib.metadata.version('transformers')}\n".encode())
+    try:
+        converter = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # the child then says what is missing
+        converter = "absent"
+    digest = hashlib.sha256(f"{CACHE_FORMAT} {converter}\n".encode())
     with path.open("rb") as file:
         left = metadata_bytes
         while left > 0:
@@ -94,9 +98,10 @@ class TokenizerBuild:
         os.close(descriptor)
         self._out = Path(name)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self._child = subprocess.Popen([sys.executable, "-m", "runtime.gguf_tokenizer", str(path), str(self._out)],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       env=env)
+        # run from the repository, so that `-m runtime...` finds this package whatever the server's folder holds
+        self._child = subprocess.Popen([sys.executable, "-m", "runtime.gguf_tokenizer", str(Path(path).resolve()),
+                                        str(self._out)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, env=env, cwd=REPO)
 
     def parts(self) -> TokenizerParts:
         """The cached TokenizerParts, or the child's (then kept in the cache); TokenizerBuildError naming what
@@ -108,14 +113,18 @@ class TokenizerBuild:
         return parts
 
     def _keep(self, parts: TokenizerParts) -> None:
-        staged = self._entry.with_suffix(f".{os.getpid()}.tmp")
+        staged = None
         try:
             self._entry.parent.mkdir(parents=True, exist_ok=True)
-            staged.write_bytes(msgspec.json.encode(parts))
+            descriptor, name = tempfile.mkstemp(prefix=self._entry.stem, suffix=".tmp", dir=self._entry.parent)
+            staged = Path(name)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(msgspec.json.encode(parts))
             staged.replace(self._entry)  # whole or not at all, whoever else writes the same entry
         except OSError as exc:
             log.warning("tokenizer not cached", entry=str(self._entry), error=str(exc))
-            staged.unlink(missing_ok=True)
+            if staged is not None:
+                staged.unlink(missing_ok=True)
 
     def _wait(self) -> TokenizerParts:
         try:
@@ -125,9 +134,14 @@ class TokenizerBuild:
             self._child.kill()
             self._child.communicate()
             raise TokenizerBuildError(f"building it took over {BUILD_TIMEOUT_S:.0f} s") from None
+        except OSError as exc:
+            raise TokenizerBuildError(f"its output could not be read ({exc})") from exc
         finally:
             self._out.unlink(missing_ok=True)
-        parts = msgspec.json.decode(data, type=TokenizerParts) if data else None
+        try:
+            parts = msgspec.json.decode(data, type=TokenizerParts) if data else None
+        except (msgspec.DecodeError, msgspec.ValidationError):  # a child killed mid-write (out of memory, say)
+            parts = None
         if parts is None or parts.error or self._child.returncode != 0:
             last = stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {self._child.returncode}"]
             raise TokenizerBuildError(parts.error if parts is not None and parts.error else last[0])

@@ -87,6 +87,8 @@ def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor(max(1, min(8, torch.get_num_threads())))
     _check_bitmask(bitmask)
+    if bitmask.shape[0] < len(matchers):
+        raise ValueError(f"a token bitmask of {bitmask.shape[0]} rows for {len(matchers)} matchers")
     _EXECUTOR.unsafe_compute_mask_ptr([(m._matcher, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
                                       bitmask.shape[1] * bitmask.element_size(), len(matchers))
 

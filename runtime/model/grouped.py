@@ -4,7 +4,8 @@
                    grouped4: 4-bit codes read through a 16-entry int8 table, groups of 32
                              (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS)
                    grouped6: int8 codes in [-32, 31] kept in 6 bits, groups of 32 or 16
-                             (Q5_0, Q5_1, Q5_K; Q6_K per 16)
+                             (Q5_0, Q5_1, Q5_K; Q6_K per 16; chosen by the codes, so a tensor of any
+                             8-bit type whose codes all fit, as an all-zero Q8_0 one's do, too)
                    grouped8: int8 codes, groups of 32 (Q8_0)
 
 The codes, scales and zeros come from runtime/model/ggml_blocks.unpack_groups, which computes

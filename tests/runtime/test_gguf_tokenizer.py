@@ -49,3 +49,12 @@ def test_an_unreadable_cache_entry_is_built_again(smollm2_gguf, cache):
     rebuilt = start_gguf_build(smollm2_gguf)
     assert not rebuilt.from_cache and rebuilt.parts() == built
     assert start_gguf_build(smollm2_gguf).from_cache
+
+
+def test_the_child_finds_this_package_from_any_folder(smollm2_gguf, cache, tmp_path, monkeypatch):
+    """A server started from a folder holding some other `runtime` package still builds with ours."""
+    shadow = tmp_path / "elsewhere" / "runtime"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise SystemExit('a shadowing runtime package was imported')\n")
+    monkeypatch.chdir(shadow.parent)
+    assert start_gguf_build(smollm2_gguf).parts().tokenizer_json

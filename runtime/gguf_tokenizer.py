@@ -83,17 +83,11 @@ class TokenizerBuild:
     """One file's tokenizer: from the cache, or a child process building it (started here; take `parts()`)."""
 
     def __init__(self, path: str | Path, metadata_bytes: int) -> None:
-        self._cached: TokenizerParts | None = None
         self._child = None
         self._entry = cache_dir() / f"{metadata_key(Path(path), metadata_bytes)}.json"
-        try:
-            self._cached = msgspec.json.decode(self._entry.read_bytes(), type=TokenizerParts)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            pass  # not built yet (or unreadable): the child builds it
-        self.from_cache = self._cached is not None and not self._cached.error and bool(self._cached.tokenizer_json)
-        if self.from_cache:
+        self._cached = self._read_entry()
+        if self._cached is not None:
             return
-        self._cached = None
         descriptor, name = tempfile.mkstemp(prefix="pagedserve-tokenizer-", suffix=".json")
         os.close(descriptor)
         self._out = Path(name)
@@ -102,6 +96,19 @@ class TokenizerBuild:
         self._child = subprocess.Popen([sys.executable, "-m", "runtime.gguf_tokenizer", str(Path(path).resolve()),
                                         str(self._out)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, env=env, cwd=REPO)
+
+    @property
+    def from_cache(self) -> bool:
+        """Whether the tokenizer came from the cache (no child was started)."""
+        return self._cached is not None
+
+    def _read_entry(self) -> TokenizerParts | None:
+        """The cache's entry for this file, or None if there is none usable (the child then builds it)."""
+        try:
+            parts = msgspec.json.decode(self._entry.read_bytes(), type=TokenizerParts)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return parts if parts.tokenizer_json and not parts.error else None
 
     def parts(self) -> TokenizerParts:
         """The cached TokenizerParts, or the child's (then kept in the cache); TokenizerBuildError naming what

@@ -190,6 +190,10 @@ def test_k_quant_scales_stay_factored_and_small():
     six = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw, ggml_blocks.Q6_K, 32, 512)])
     assert isinstance(six.scale, grouped_matmul.Factored) and six.zero is None and six.group == 16
     assert six.form == "grouped6" and six.nbytes() * 8 / (32 * 512) == 6.625
+    raw_five = encoded_blocks("Q5_K", 32, 512, rng)  # 6-bit codes, int8 scales and mins per 32, two units per 256
+    five = GroupedWeight.from_groups([ggml_blocks.unpack_groups(raw_five, ggml_blocks.Q5_K, 32, 512)])
+    assert five.form == "grouped6" and five.nbytes() * 8 / (32 * 512) == 6.75
+    assert torch.equal(five.dequantize(), ggml_blocks.dequantize(raw_five, ggml_blocks.Q5_K, (32, 512)))
     assert torch.equal(six.dequantize(), ggml_blocks.dequantize(raw, ggml_blocks.Q6_K, (32, 512)))
     x = torch.randn(2, 512)
     _check_close(six.linear(x), x, six, torch.float32)

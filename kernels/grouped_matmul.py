@@ -14,14 +14,15 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
     Q4_1, Q5_x, Q8_0 and IQ4_NL store; half the bytes, the same values).
 
     A scale or zero may instead be Factored, as the K-quants store them: int8 [N, K // G] times a
-    float32 unit per run of P groups, units [N, K // (G P)], P a multiple of 8 (Q4_K: d * sc, 8 groups
-    of 32 to a unit). The product is exact in float32, so both forms give the same values; the
-    factored one takes 8 + 32 / P bits a group instead of 32 (Q4_K: 4.75 bits a weight, not 6).
+    float32 (or, where that holds it exactly, float16) unit per run of P groups, units [N, K // (G P)],
+    P a multiple of 8 (Q4_K: d * sc, 8 groups of 32 to a unit, d the file's f16). The product is exact
+    in float32, so both forms give the same values; the factored one takes 8 + 16 / P bits a group
+    instead of 32 (Q4_K: 4.625 bits a weight, the file's 4.5).
 
     The panel layout (to_panels; N a multiple of PANEL, what the models use) keeps the same integers
     with 16 outputs' groups interleaved, so that one 64-byte load holds 8 inputs (4-bit) or 4 inputs
-    (8-bit) of each of 16 outputs and unpacks in registers into one output per 32-bit lane (the byte
-    order: kernels/csrc/grouped_matmul.cpp): codes [N / 16, K // G, 16 * group bytes], scale and zero
+    (8-bit) of each of 16 outputs, and one byte shuffle in registers gathers each output's 4 bytes into
+    its own 32-bit lane (the byte order: kernels/csrc/grouped_matmul.cpp): codes [N / 16, K // G, 16 * group bytes], scale and zero
     [N / 16, K // G, 16] (a Factored one's units [N / 16, K // (G P), 16]). Every function here takes
     either layout; to_rows and select_rows give the row layout back.
 
@@ -32,14 +33,14 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
 
     reference  grouped_values (the weight in any float dtype; float32: exactly the file's values),
                grouped_matmul_reference: x @ W.T in float64
-    kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int16 per block of G inputs
-               (d = max|x| / 32767: 2^-16 of the block's largest value; quantize_activations, and its
-               torch twin activation_blocks_reference, bit for bit), each group's integer dot product
-               exact (vpmaddwd / vpdpwssd), then one fma per group into the lane of the group's number
+    kernel     grouped_matmul: x float32 [M, K] -> float32 [M, N]: x rounded to int8 per block of G inputs
+               (d = max|x| / 127: 2^-8 of the block's largest value, as llama.cpp's Q8_0 activations;
+               quantize_activations, and its torch twin activation_blocks_reference, bit for bit), each
+               group's integer dot product exact (vpdpbusd / vpmaddubsw), then one fma per group into the lane of the group's number
                mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart): a row's
                result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
                plain builds agree to the bit (tests: the build this CPU makes and the plain one). Only
-               the panel layout has vector loops (runtime/model/grouped.py pads any N to panels). (llama.cpp rounds activations to int8 per 32: 2^-8.)
+               the panel layout has vector loops (runtime/model/grouped.py pads any N to panels).
                grouped_unpack: rows [start, end) of W in float32; grouped_rows: rows by id
     check      tests/kernels/test_grouped_matmul.py: within float32 arithmetic of (x rounded) @ W.T in float64
 """
@@ -57,7 +58,7 @@ PANEL = 16  # outputs side by side per group in the panel layout
 SIX_OFFSET = 32  # a 6-bit code's q = code + 32, in 0..63
 SIX_LOW, SIX_HIGH = 64, 32  # a 6-bit load: bytes of low nibbles, then of high bits (8 inputs of 16 outputs)
 UNPACK_BLOCK_VALUES = 1 << 21  # weights made at a time by the torch path (8 MiB of float32)
-ACTIVATION_MAX = 32767.0  # the kernel's activations: int16 in [-32767, 32767] per block
+ACTIVATION_MAX = 127.0  # the kernel's activations: int8 in [-127, 127] per block
 
 
 @functools.cache
@@ -80,29 +81,30 @@ def _table(table: torch.Tensor | None) -> torch.Tensor:
 
 
 class Factored(NamedTuple):
-    """Group scales (or zeros) as int8 times a float32 unit per `per_unit` groups, in a weight's layout."""
+    """Group scales (or zeros) as int8 times a float32 or float16 unit per `per_unit` groups, in a weight's layout."""
     ints: torch.Tensor  # int8 [N, groups] (rows) or [N / 16, groups, 16] (panels)
-    units: torch.Tensor  # float32 [N, groups // per_unit] or [N / 16, groups // per_unit, 16]
+    units: torch.Tensor  # float32 or float16 [N, groups // per_unit] or [N / 16, groups // per_unit, 16]
 
     @property
     def per_unit(self) -> int:
         return self.ints.shape[1] // self.units.shape[1]
 
     def floats(self) -> torch.Tensor:  # float32, shaped as ints: each value exactly int * unit
-        return self.ints.float() * self.units.repeat_interleave(self.per_unit, dim=1)
+        return self.ints.float() * self.units.float().repeat_interleave(self.per_unit, dim=1)
 
     def map(self, fn) -> Factored:  # fn applied to both (a layout change or a selection along the outputs)
         return Factored(fn(self.ints), fn(self.units))
 
     def nbytes(self) -> int:
-        return self.ints.numel() + 4 * self.units.numel()
+        return self.ints.numel() + self.units.element_size() * self.units.numel()
 
 
 Scales = torch.Tensor | Factored  # a weight's scales or zeros: float32 or float16 per group, or factored
 
 
 def factor(ints: torch.Tensor, units: torch.Tensor) -> Factored:
-    """A Factored from int8-valued ints [N, groups] and float32 units [N, groups // P] (P a multiple of 8)."""
+    """A Factored from int8-valued ints [N, groups] and units [N, groups // P] (P a multiple of 8), as float32
+    (`narrowed` makes them float16 where that is exact)."""
     ints = ints.to(torch.int8).contiguous()
     units = units.float().contiguous()
     if units.shape[0] != ints.shape[0] or ints.shape[1] % units.shape[1] or (ints.shape[1] // units.shape[1]) % 8:
@@ -124,8 +126,11 @@ def floats(scale: Scales | None) -> torch.Tensor | None:
 
 
 def narrowed(scale: Scales | None) -> Scales | None:
-    """float32 scales or zeros as float16 where float16 holds every one exactly (the same values in half
-    the bytes), else as they are."""
+    """float32 scales or zeros, or a Factored one's units, as float16 where float16 holds every one exactly
+    (the same values in half the bytes: the f16 a file stores, as Q4_0's d or Q4_K's d and dmin), else as
+    they are."""
+    if isinstance(scale, Factored):
+        return Factored(scale.ints, narrowed(scale.units))
     if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32:
         half = scale.half()
         if torch.equal(half.float(), scale):
@@ -319,7 +324,7 @@ def grouped_matmul_torch(x: torch.Tensor, codes: torch.Tensor, scale: Scales, ze
 def kernel_call(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None,
                 portable: bool = False):
     """The C++ kernel (needs `available()`) for one weight, its arguments bound once (a decode step makes ~120
-    calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int16 blocks."""
+    calls): x float32 [M, K] -> x @ W.T float32 [M, N], x in int8 blocks."""
     run, arguments = _extension(portable).grouped_matmul, kernel_arguments(codes, scale, zero, table)
 
     def call(x: torch.Tensor) -> torch.Tensor:
@@ -336,20 +341,20 @@ def kernel_arguments(codes: torch.Tensor, scale: Scales, zero: Scales | None, ta
 
 def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Scales | None,
                    table: torch.Tensor | None, portable: bool = False) -> torch.Tensor:
-    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int16 blocks."""
+    """x float32 [M, K] @ W.T -> float32 [M, N] by the C++ kernel (needs `available()`), x in int8 blocks."""
     return kernel_call(codes, scale, zero, table, portable)(x)
 
 
 def quantize_activations(x: torch.Tensor, group: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's own int16 blocks of x float32 [M, K]: q int16 [M, K], d float32 [M, K // group]."""
+    """The kernel's own int8 blocks of x float32 [M, K]: q int8 [M, K], d float32 [M, K // group]."""
     q, d, _ = _extension(portable).quantize_activations(x.contiguous(), group, False)
     return q, d
 
 
 def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel rounds x float32 [M, K] to, by torch ops: q int16 [M, K], d float32 [M, K // group].
+    """What the kernel rounds x float32 [M, K] to, by torch ops: q int8 [M, K], d float32 [M, K // group].
 
-    Per block of `group` inputs: d = max|x| / 32767, q = round(x * (32767 / max|x|)) to nearest even
+    Per block of `group` inputs: d = max|x| / 127, q = round(x * (127 / max|x|)) to nearest even
     (all zero for an all-zero block; d NaN and q 0 for a block with a NaN or an infinity).
     """
     m, k = x.shape
@@ -360,12 +365,12 @@ def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tens
     d = torch.where(finite, amax / limit, torch.full_like(amax, float("nan")))
     inverse = torch.where(finite & (amax > 0), limit / amax, torch.zeros_like(amax))
     scaled = torch.where(finite[..., None], blocks * inverse[..., None], torch.zeros_like(blocks))
-    q = scaled.round().clamp(-ACTIVATION_MAX, ACTIVATION_MAX).to(torch.int16)
+    q = scaled.round().clamp(-ACTIVATION_MAX, ACTIVATION_MAX).to(torch.int8)
     return q.reshape(m, k), d
 
 
 def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:  # float64 [M, K]
-    """x as the kernel multiplies it: q * d of its int16 blocks, exactly (in float64)."""
+    """x as the kernel multiplies it: q * d of its int8 blocks, exactly (in float64)."""
     q, d = activation_blocks_reference(x, group)
     m, k = x.shape
     return (q.double().reshape(m, k // group, group) * d.double()[..., None]).reshape(m, k)

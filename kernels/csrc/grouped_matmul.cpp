@@ -5,15 +5,17 @@
 // codes are 4-bit (a nibble read through a 16-entry int8 table), 6-bit (q in 0..63, the integer q - 32:
 // Q6_K's codes, and Q5_x's, which fit; panels only) or 8-bit (int8); scale and zero are
 // float32 per group, float16 per group (where that holds them exactly, as the f16 of Q4_0 or Q8_0 is),
-// or factored as the K-quants store them (an int8 per group times a float32 unit per run of groups): the
+// or factored as the K-quants store them (an int8 per group times a float32 or float16 unit per run of groups): the
 // same floats in every form. G = 32 (or 16 for 8-bit codes). The weights are the file's: the
 // integers and scales as stored, nothing rounded again.
 //
-// The activations are rounded to int16, per block of G inputs (one block per weight group):
-//   d = max |x| / 32767, q = round(x / d) (to nearest even): |x - q d| <= d / 2, 2^-16 of the block's
-//   largest value (llama.cpp rounds them to int8 per 32: 2^-8). A block holding a NaN or an infinity
-//   gets d = NaN, so the outputs it reaches are NaN, as a float matmul's would be.
-// Then, per (row, output), each group's integer dot product is exact (|isum| <= 32 * 32767 * 128 < 2^31),
+// The activations are rounded to int8, per block of G inputs (one block per weight group):
+//   d = max |x| / 127, q = round(x / d) (to nearest even): |x - q d| <= d / 2, 2^-8 of the block's
+//   largest value (llama.cpp's Q8_0 and Q8_K activations round the same way, per 32 or 256 inputs). A
+//   block holding a NaN or an infinity gets d = NaN, so the outputs it reaches are NaN, as a float
+//   matmul's would be. (Until December 2026 they were int16; int8 doubles the products an instruction
+//   makes, vpdpbusd against vpdpwssd, and the KL divergence stayed within llama.cpp's: BENCHMARKS.md.)
+// Then, per (row, output), each group's integer dot product is exact (|isum| <= 32 * 127 * 255 < 2^31),
 // and one float32 step adds it into one of 8 lanes, the lane of the group's number mod 8:
 //   acc[g % 8] = fma(float(isum[g]), scale[g] * d[g], acc[g % 8])           g = 0, 1, ... in order
 //   zacc[g % 8] = fma(zero[g], d[g] * (sum of the block's q), zacc[g % 8])  (a weight with zeros)
@@ -28,8 +30,8 @@
 // Layouts. Rows: output n's groups one after another (4-bit: 16 bytes a group, byte j = input j in the
 // low nibble, input j + 16 in the high one; 8-bit: G bytes). Panels (N a multiple of 16; what the models
 // use): 16 outputs' groups side by side, so that one 64-byte load holds, for each of the 16 outputs, 8
-// inputs in nibbles (4-bit) or 4 inputs in bytes (8-bit), and its bytes unpack in registers straight into
-// int16 pairs of one output per 32-bit lane. Within the 64 bytes, output o = 4c + t (c = 0..3, t = 0..3)
+// inputs in nibbles (4-bit) or 4 inputs in bytes (8-bit), and one byte shuffle gathers each output's bytes
+// into its own 32-bit lane, 4 inputs a byte lane (quad_order). Within the 64 bytes, output o = 4c + t (c = 0..3, t = 0..3)
 // owns bytes 16c + 2t + e and 16c + 8 + 2t + e (e = 0, 1); for load j of a group:
 //   4-bit: byte 16c + 2t + e      = input 8j + e (low nibble),     input 8j + 4 + e (high)
 //          byte 16c + 8 + 2t + e  = input 8j + 2 + e (low nibble), input 8j + 6 + e (high)
@@ -39,12 +41,15 @@
 //          and bits 2-3 the high nibble's; byte 64 + b holds h[b] in its low half and h[b + 32] in its high
 // The panel's scales and zeros: [N / 16, groups, 16] (a factored one's units [N / 16, groups / P, 16]).
 //
-// Loop (the vector builds, panels): per 16 outputs and group, each 64-byte load becomes 2 or 4 vectors
-// of int16 pairs (a mask, a shift, byte unpacks; the table through a byte shuffle; 6-bit: the high bits
-// shifted into place and or-ed in, the -32 added as a sum of the block's q) shared by a block of
-// rows; each row multiplies them against its input pairs broadcast (vpdpwssd with AVX-512 VNNI, else
-// vpmaddwd and an add): 16 outputs' sums a vector, so the float step is one conversion and one fma for 16
-// outputs. AVX2 runs the same loop 8 outputs at a time (each half of the 64 bytes). The outputs are split
+// Loop (the vector builds, panels): per 16 outputs and group, each 64-byte load becomes 1 or 2 vectors
+// of 4 bytes a lane (the shuffle, a mask and a shift; the table through a byte shuffle; 6-bit: the high
+// bits shifted into place and or-ed in, the -32 added as a sum of the block's q) shared by a block of
+// rows; each row multiplies them against its 4 inputs broadcast. The byte dot product takes unsigned
+// weight bytes: with VNNI (vpdpbusd), a signed code (8-bit, or a table's entry) enters plus 128 and the
+// -128 comes back as a sum of the block's q; without it (vpmaddubsw and vpmaddwd), whose int16 pairs
+// could saturate at 255 * 127 * 2, the signed code enters as its magnitude against the input signed by it.
+// Either way the integers are exact, and 16 outputs' sums make a vector, so the float step is one
+// conversion and one fma for 16 outputs. AVX2 runs the same loop 8 outputs at a time (each half of the 64 bytes). The outputs are split
 // between the threads in panels (at::parallel_for); the rows run in chunks that stay in L2. Row layouts
 // and the plain build take the scalar loop, which states the arithmetic.
 // grouped_unpack: rows [start, end) of W in float32 (the references, and anything that wants W dense);
@@ -78,9 +83,9 @@ constexpr int64_t kNibbleGroup = 32;            // inputs per group of 4-bit cod
 constexpr int64_t kPanel = 16;                  // outputs side by side in the panel layout
 constexpr int64_t kLoadBytes = 64;              // one load of a panel's group: 16 outputs x 8 nibbles or 4 bytes
 constexpr int kRowBlock = 4;                    // rows that share one decode of a panel's group
-constexpr int64_t kRowChunkBytes = 256 * 1024;  // int16 rows run against each panel at a time (L2)
+constexpr int64_t kRowChunkBytes = 256 * 1024;  // int8 rows run against each panel at a time (L2)
 constexpr int64_t kPrefetchBytes = 2048;        // how far ahead of the decode loop its weight stream is fetched
-constexpr float kActivationMax = 32767.0f;      // int16 activations: q in [-32767, 32767]
+constexpr float kActivationMax = 127.0f;        // int8 activations: q in [-127, 127]
 
 // how the vector loop makes a code's integer: a 4-bit one through the table, or (a table of 16
 // consecutive integers, as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0] * (sum
@@ -91,14 +96,15 @@ constexpr int64_t kSixLoadBytes = 96;           // one load of a 6-bit panel's g
 
 // A weight's scales, or its zeros, in one of three forms: float32 per group; float16 per group (the f16
 // that Q4_0, Q8_0, Q5_x and IQ4_NL store, kept where float16 holds every value exactly: the same floats
-// in half the bytes); or factored as the K-quants store them, an int8 per group times a float32 unit per
-// run of `per_unit` groups (Q4_K's d * sc: an 11-bit f16 times a 6-bit integer). The product is exact in
-// float32, so every form gives the same floats.
+// in half the bytes); or factored as the K-quants store them, an int8 per group times a unit per run of
+// `per_unit` groups, float32 or float16 (Q4_K's d * sc: the file's f16 d times a 6-bit integer). The
+// product is exact in float32, so every form gives the same floats.
 struct GroupScales {
   const float* floats;    // output n's group g at [at(n) + g * panel] (nullptr: float16, factored, or none)
   const uint16_t* halves; // float16 bits: the same place
   const int8_t* ints;     // factored: the same place
-  const float* units;   // factored: output n's unit u at [unit_at(n) + u * panel]
+  const float* units;   // factored: output n's unit u at [unit_at(n) + u * panel] (nullptr: float16 units)
+  const uint16_t* half_units;  // float16 bits: the same place
   int64_t groups, per_unit, panel;  // per_unit: groups to a unit (factored); panel: 1 (rows) or kPanel
 
   bool present() const { return floats != nullptr || halves != nullptr || ints != nullptr; }
@@ -107,7 +113,9 @@ struct GroupScales {
   float value(int64_t n, int64_t g) const {  // output n's group g
     if (floats != nullptr) return floats[at(n) + g * panel];
     if (halves != nullptr) return static_cast<float>(c10::Half(halves[at(n) + g * panel], c10::Half::from_bits()));
-    return units[unit_at(n) + (g / per_unit) * panel] * static_cast<float>(ints[at(n) + g * panel]);
+    const int64_t u = unit_at(n) + (g / per_unit) * panel;
+    const float unit = units != nullptr ? units[u] : static_cast<float>(c10::Half(half_units[u], c10::Half::from_bits()));
+    return unit * static_cast<float>(ints[at(n) + g * panel]);
   }
 };
 
@@ -157,11 +165,11 @@ struct Weight {
   }
 };
 
-struct Activations {  // x [M, K] in int16 blocks of G: x ~= q * d
-  const int16_t* q;   // [M][K]
+struct Activations {  // x [M, K] in int8 blocks of G: x ~= q * d
+  const int8_t* q;    // [M][K]
   const float* d;     // [M][groups]
   const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
-  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q); kShifted and kSix only, else nullptr
+  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q) (Weight::offset), else nullptr
   int64_t k;
   int64_t groups;
 };
@@ -185,7 +193,7 @@ inline void block_scale(float amax, bool finite, float* d, float* inverse) {
 // the arithmetic itself, one (row, output) at a time, for any layout and build: what every loop computes
 template <bool kZero>
 float dot_scalar(const Weight& wt, int64_t n, const Activations& a, int64_t row) {
-  const int16_t* xq = a.q + row * a.k;
+  const int8_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   float acc[8] = {}, zacc[8] = {};
   int32_t ints[32];
@@ -205,7 +213,7 @@ float dot_scalar(const Weight& wt, int64_t n, const Activations& a, int64_t row)
 #ifdef PAGEDSERVE_GROUPED_AVX2
 
 template <int G>
-void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* shift, int16_t offset) {
+void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* shift, int32_t offset) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 largest = _mm256_set1_ps(__FLT_MAX__);
   __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -226,8 +234,9 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* s
     const __m256i a = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + v * 16), inv), keep));
     const __m256i b = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + v * 16 + 8), inv), keep));
     total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // back in input order
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + v * 16), packed);
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // back in input order
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + v * 16), bytes);
   }
   if (sum != nullptr || shift != nullptr) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
@@ -240,6 +249,11 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* s
 }
 
 bool vectorized() { return true; }
+
+// the byte shuffle that gathers each output's 4 bytes of a load into its 32-bit lane, per 16 bytes:
+// output t's bytes 2t, 2t + 1, 8 + 2t, 9 + 2t (inputs 8j + 0..3 in their low nibbles, 8j + 4..7 in the
+// high ones; 8-bit: inputs 4j + 0..3) become lane t's bytes 0..3
+inline __m128i quad_order() { return _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15); }
 
 #ifdef PAGEDSERVE_GROUPED_AVX512
 using VecF = __m512;  // 16 outputs a vector
@@ -259,20 +273,28 @@ inline VecI high_nibbles(const uint8_t* p, int64_t) {
   return _mm512_and_si512(_mm512_srlv_epi16(both, counts), _mm512_set1_epi8(0x0F));
 }
 inline VecI lookup(VecI table, VecI index) { return _mm512_shuffle_epi8(table, index); }
-inline VecI unpack_low(VecI a, VecI b) { return _mm512_unpacklo_epi8(a, b); }
-inline VecI unpack_high(VecI a, VecI b) { return _mm512_unpackhi_epi8(a, b); }
-inline VecI sign_words(VecI a) { return _mm512_srai_epi16(a, 8); }
+inline VecI xor_bytes(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
+// each 16 bytes' output lanes: bytes (2t, 2t + 1, 8 + 2t, 9 + 2t) to 32-bit lane t (kQuadOrder)
+inline VecI shuffle_quads(VecI a) { return _mm512_shuffle_epi8(a, _mm512_broadcast_i32x4(quad_order())); }
 inline VecI zero_int() { return _mm512_setzero_si512(); }
 inline VecI splat_int(int32_t v) { return _mm512_set1_epi32(v); }
 inline VecI splat_bytes(int8_t v) { return _mm512_set1_epi8(v); }
 inline VecI table_of(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
-inline VecI multiply_pairs(VecI acc, VecI w, int32_t x) {  // acc + w_lo * x_lo + w_hi * x_hi per lane
 #if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x));
+constexpr bool kBiasedSigned = true;
+inline VecI dot_quads(VecI acc, VecI w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
+inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // unused: signed codes come biased
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
-#endif
+constexpr bool kBiasedSigned = false;
+inline VecI dot_quads(VecI acc, VecI w, int32_t x) {  // w <= 127: the pairs' int16 sums cannot saturate
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_set1_epi32(x)), _mm512_set1_epi16(1)));
 }
+inline VecI dot_quads_signed(VecI acc, VecI w, int32_t x) {  // |w| against x signed by w: |pair| <= 2 * 128 * 127
+  const VecI xs = _mm512_set1_epi32(x);
+  const VecI signed_x = _mm512_mask_sub_epi8(xs, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xs);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), _mm512_set1_epi16(1)));
+}
+#endif
 inline VecF zero_float() { return _mm512_setzero_ps(); }
 inline VecF splat_float(float v) { return _mm512_set1_ps(v); }
 inline VecF load_floats(const float* p) { return _mm512_loadu_ps(p); }
@@ -301,20 +323,26 @@ inline VecI high_nibbles(const uint8_t* p, int64_t slice) {
   return _mm256_and_si256(slice == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 inline VecI lookup(VecI table, VecI index) { return _mm256_shuffle_epi8(table, index); }
-inline VecI unpack_low(VecI a, VecI b) { return _mm256_unpacklo_epi8(a, b); }
-inline VecI unpack_high(VecI a, VecI b) { return _mm256_unpackhi_epi8(a, b); }
-inline VecI sign_words(VecI a) { return _mm256_srai_epi16(a, 8); }
+inline VecI xor_bytes(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
+inline VecI shuffle_quads(VecI a) { return _mm256_shuffle_epi8(a, _mm256_broadcastsi128_si256(quad_order())); }
 inline VecI zero_int() { return _mm256_setzero_si256(); }
 inline VecI splat_int(int32_t v) { return _mm256_set1_epi32(v); }
 inline VecI splat_bytes(int8_t v) { return _mm256_set1_epi8(v); }
 inline VecI table_of(const int8_t* t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
-inline VecI multiply_pairs(VecI acc, VecI w, int32_t x) {
 #if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, w, _mm256_set1_epi32(x));
+constexpr bool kBiasedSigned = true;
+inline VecI dot_quads(VecI acc, VecI w, int32_t x) { return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x)); }
+inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // unused: signed codes come biased
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
-#endif
+constexpr bool kBiasedSigned = false;
+inline VecI dot_quads(VecI acc, VecI w, int32_t x) {  // w <= 127: the pairs' int16 sums cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
 }
+inline VecI dot_quads_signed(VecI acc, VecI w, int32_t x) {  // |w| against x signed by w: |pair| <= 2 * 128 * 127
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x), w)),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
 inline VecF zero_float() { return _mm256_setzero_ps(); }
 inline VecF splat_float(float v) { return _mm256_set1_ps(v); }
 inline VecF load_floats(const float* p) { return _mm256_loadu_ps(p); }
@@ -342,6 +370,8 @@ class PanelWalk {
         halves_(s.halves != nullptr ? s.halves + panel * s.groups * kPanel + slice * kLanes : nullptr),
         ints_(s.ints != nullptr ? s.ints + panel * s.groups * kPanel + slice * kLanes : nullptr),
         units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
+        half_units_(s.half_units != nullptr ? s.half_units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes
+                                            : nullptr),
         per_unit_(s.per_unit) {}
 
   VecF next() {
@@ -356,11 +386,15 @@ class PanelWalk {
       halves_ += kPanel;
       return v;
     }
-    v = mul(load_floats(units_), int8_floats(ints_));
+    v = mul(units_ != nullptr ? load_floats(units_) : half_floats(half_units_), int8_floats(ints_));
     ints_ += kPanel;
     if (++in_unit_ == per_unit_) {
       in_unit_ = 0;
-      units_ += kPanel;
+      if (units_ != nullptr) {
+        units_ += kPanel;
+      } else {
+        half_units_ += kPanel;
+      }
     }
     return v;
   }
@@ -374,40 +408,34 @@ class PanelWalk {
   const uint16_t* halves_;
   const int8_t* ints_;
   const float* units_;
+  const uint16_t* half_units_;
   int64_t per_unit_, in_unit_ = 0;
 };
 
-// one load (64 bytes at `bytes`, this slice's part of it) as int16 pairs, one output a 32-bit lane:
-// pairs[p] holds inputs (first + 2p, first + 2p + 1), first = 8j (4- and 6-bit: 4 vectors) or 4j (8-bit: 2).
-// 6-bit: `top` is the load's 32 bytes of high bits, q without its offset (the shifts add it)
+// one load (64 bytes at `bytes`, this slice's part of it) as bytes, one output a 32-bit lane, 4 inputs to
+// a lane: quads[0] holds inputs first + 0..3 and (4- and 6-bit) quads[1] inputs first + 4..7, first = 8j
+// (4- and 6-bit) or 4j (8-bit). The bytes are what the dot product takes: unsigned (the nibble; a 6-bit
+// q, 0..63; a signed code plus 128 where signed codes come biased, the shifts taking the 128 back) or,
+// for signed codes elsewhere, the signed integer itself. 6-bit: `top` is the load's 32 bytes of high bits
 template <bool kFour, int kNib>
-inline void decode_load(const uint8_t* bytes, const uint8_t* top, int64_t slice, VecI table, VecI* pairs) {
-  const VecI v = load_bytes(bytes);
+inline void decode_load(const uint8_t* bytes, const uint8_t* top, int64_t slice, VecI table, VecI* quads) {
+  const VecI v = shuffle_quads(load_bytes(bytes));
   if constexpr (kFour) {
     const VecI mask = splat_bytes(0x0F);
     VecI low = and_bytes(v, mask), high = and_bytes(shift_right_words(v), mask);
     if constexpr (kNib == kSix) {  // h bits 0-1 above the low nibble's input, bits 2-3 above the high one's
-      const VecI h = high_nibbles(top, slice), bits = splat_bytes(0x30);
+      const VecI h = shuffle_quads(high_nibbles(top, slice)), bits = splat_bytes(0x30);
       low = or_bytes(low, and_bytes(shift_left_words<4>(h), bits));
       high = or_bytes(high, and_bytes(shift_left_words<2>(h), bits));
     }
-    if constexpr (kNib == kLookup) {
+    if constexpr (kNib == kLookup) {  // the table comes biased where signed codes do
       low = lookup(table, low);
       high = lookup(table, high);
-      pairs[0] = sign_words(unpack_low(low, low));
-      pairs[1] = sign_words(unpack_high(low, low));
-      pairs[2] = sign_words(unpack_low(high, high));
-      pairs[3] = sign_words(unpack_high(high, high));
-    } else {  // the nibble itself (0..15; 6-bit: q, 0..63): zero-extended
-      const VecI z = zero_int();
-      pairs[0] = unpack_low(low, z);
-      pairs[1] = unpack_high(low, z);
-      pairs[2] = unpack_low(high, z);
-      pairs[3] = unpack_high(high, z);
     }
+    quads[0] = low;
+    quads[1] = high;
   } else {
-    pairs[0] = sign_words(unpack_low(v, v));
-    pairs[1] = sign_words(unpack_high(v, v));
+    quads[0] = kBiasedSigned ? xor_bytes(v, splat_bytes(-128)) : v;
   }
 }
 
@@ -416,13 +444,16 @@ inline void decode_load(const uint8_t* bytes, const uint8_t* top, int64_t slice,
 template <int R, int G, bool kFour, bool kZero, int kNib>
 void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a, int64_t row, float* out, int64_t ldo) {
   constexpr int kLoads = kFour ? G / 8 : G / 4;  // 64-byte loads a group
-  constexpr int kPairs = kFour ? 4 : 2;           // vectors of pairs a load
+  constexpr int kQuads = kFour ? 2 : 1;           // vectors of 4 inputs a lane, a load
   constexpr int kInputs = kFour ? 8 : 4;          // inputs a load
   constexpr int64_t kStride = kNib == kSix ? kSixLoadBytes : kLoadBytes;  // bytes from one load to the next
-  constexpr bool kShifts = kFour && (kNib == kShifted || kNib == kSix);  // the integers' offset as a sum of q
-  const VecI table = kFour && kNib == kLookup ? table_of(wt.table) : zero_int();
+  constexpr bool kSignedCodes = !kFour || kNib == kLookup;  // 8-bit codes, and a table's entries
+  constexpr bool kShifts = kSignedCodes ? kBiasedSigned : kNib != kPlain;  // the integers' offset as a sum of q
+  constexpr bool kSignedDot = kSignedCodes && !kBiasedSigned;
+  VecI table = zero_int();
+  if constexpr (kFour && kNib == kLookup) table = kBiasedSigned ? xor_bytes(table_of(wt.table), splat_bytes(-128)) : table_of(wt.table);
   const uint8_t* codes = wt.panel_group(p, 0);
-  const int16_t* xq = a.q + row * a.k;
+  const int8_t* xq = a.q + row * a.k;
   const float* xd = a.d + row * a.groups;
   const int64_t groups = wt.groups;
   VecF acc[R][8];
@@ -443,14 +474,14 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
         const uint8_t* load = group + j * kStride;
         _mm_prefetch(reinterpret_cast<const char*>(load + kPrefetchBytes), _MM_HINT_T0);
         if constexpr (kNib == kSix) _mm_prefetch(reinterpret_cast<const char*>(load + kLoadBytes + kPrefetchBytes), _MM_HINT_T0);
-        VecI pairs[kPairs];
-        decode_load<kFour, kNib>(load + slice * (kLoadBytes / kSlices), load + kLoadBytes, slice, table, pairs);
+        VecI quads[kQuads];
+        decode_load<kFour, kNib>(load + slice * (kLoadBytes / kSlices), load + kLoadBytes, slice, table, quads);
         for (int r = 0; r < R; ++r) {
-          const int16_t* x = xq + r * a.k + g * G + j * kInputs;
-          for (int q = 0; q < kPairs; ++q) {
-            int32_t two;  // inputs (2q, 2q + 1) of this load: the low word the first, as in the weights' pairs
-            std::memcpy(&two, x + 2 * q, 4);
-            isum[r] = multiply_pairs(isum[r], pairs[q], two);
+          const int8_t* x = xq + r * a.k + g * G + j * kInputs;
+          for (int q = 0; q < kQuads; ++q) {
+            int32_t four;  // inputs 4q .. 4q + 3 of this load, in the order of the weights' bytes in a lane
+            std::memcpy(&four, x + 4 * q, 4);
+            isum[r] = kSignedDot ? dot_quads_signed(isum[r], quads[q], four) : dot_quads(isum[r], quads[q], four);
           }
         }
       }
@@ -485,7 +516,7 @@ constexpr bool kPanelLoops = true;
 #else  // portable: the scalar loop only
 
 template <int G>
-void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* shift, int16_t offset) {
+void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* shift, int32_t offset) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < G; ++i) {
@@ -498,8 +529,8 @@ void quantize_block(const float* x, int16_t* q, float* d, float* sum, int32_t* s
   int32_t total = 0;
   for (int i = 0; i < G; ++i) {
     const float scaled = finite ? x[i] * inverse : 0.0f;  // a NaN block's q are 0
-    const int32_t v = std::clamp(static_cast<int32_t>(__builtin_nearbyintf(scaled)), -32767, 32767);
-    q[i] = static_cast<int16_t>(v);
+    const int32_t v = std::clamp(static_cast<int32_t>(__builtin_nearbyintf(scaled)), -127, 127);
+    q[i] = static_cast<int8_t>(v);
     total += v;
   }
   if (sum != nullptr) *sum = *d * static_cast<float>(total);
@@ -510,17 +541,18 @@ bool vectorized() { return false; }
 
 constexpr int64_t kSlices = 1;
 constexpr bool kPanelLoops = false;
+constexpr bool kBiasedSigned = false;
 
 template <int R, int G, bool kFour, bool kZero, int kNib>  // never called: the panel loop is the vector builds'
 void dot_panel(const Weight&, int64_t, int64_t, const Activations&, int64_t, float*, int64_t) {}
 
 #endif
 
-// x float32 [M, K] -> its int16 blocks (and their sums when the weight has a zero term, and the
-// shifts when its nibbles are shifted: the vector loop only)
+// x float32 [M, K] -> its int8 blocks (and their sums when the weight has a zero term, and the
+// shifts when the panel loop adds an offset: panel_shifts)
 template <int G>
-void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum, int32_t* shift = nullptr,
-                   int16_t offset = 0) {
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* sum, int32_t* shift = nullptr,
+                   int32_t offset = 0) {
   const int64_t groups = k / G;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -534,8 +566,8 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, f
 }
 
 // quantize_rows for the group size of the call (32, or 16: 8- and 6-bit codes)
-void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* sum,
-                  int32_t* shift = nullptr, int16_t offset = 0) {
+void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* sum,
+                  int32_t* shift = nullptr, int32_t offset = 0) {
   if (group == 32) {
     quantize_rows<32>(x, m, k, q, d, sum, shift, offset);
   } else {
@@ -596,7 +628,7 @@ struct MatmulKernel {
   static void panels(const Weight& wt, const Activations& a, int64_t m, float* out, int64_t n) {
     const int64_t count = n / kPanel;
     const int64_t grain = std::max<int64_t>(1, count / (4 * at::get_num_threads()));
-    const int64_t chunk = std::max<int64_t>(kRowBlock, kRowChunkBytes / (2 * a.k) / kRowBlock * kRowBlock);
+    const int64_t chunk = std::max<int64_t>(kRowBlock, kRowChunkBytes / a.k / kRowBlock * kRowBlock);
     at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       for (int64_t row0 = 0; row0 < m; row0 += chunk) {
         const int64_t rows_end = std::min(m, row0 + chunk);
@@ -655,14 +687,17 @@ GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units
               "got ", values.sizes());
   if (!factored) {
     TORCH_CHECK(units.numel() == 0, what, ": float values take no units");
-    if (half) return GroupScales{nullptr, static_cast<const uint16_t*>(values.data_ptr()), nullptr, nullptr, groups, 1, panel};
-    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, nullptr, groups, 1, panel};
+    if (half) return GroupScales{nullptr, static_cast<const uint16_t*>(values.data_ptr()), nullptr, nullptr, nullptr, groups, 1, panel};
+    return GroupScales{values.data_ptr<float>(), nullptr, nullptr, nullptr, nullptr, groups, 1, panel};
   }
-  TORCH_CHECK(units.scalar_type() == torch::kFloat32 && units.dim() == values.dim(), what, "'s units: float32");
+  const bool half_units = units.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half_units || units.scalar_type() == torch::kFloat32) && units.dim() == values.dim(), what,
+              "'s units: float32 or float16");
   const int64_t count = units.size(1);
   TORCH_CHECK(count > 0 && groups % count == 0 && (groups / count) % 8 == 0 && fits(units, count), what,
               "'s units: one per 8k groups, shaped as its values, got ", units.sizes(), " for ", groups, " groups");
-  return GroupScales{nullptr, nullptr, values.data_ptr<int8_t>(), units.data_ptr<float>(), groups, groups / count, panel};
+  return GroupScales{nullptr, nullptr, values.data_ptr<int8_t>(), half_units ? nullptr : units.data_ptr<float>(),
+                     half_units ? static_cast<const uint16_t*>(units.data_ptr()) : nullptr, groups, groups / count, panel};
 }
 
 Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
@@ -684,7 +719,7 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
               "codes ", codes.sizes(), " do not fit K = ", k, " in groups of ", group);
   const int64_t panel = panels ? kPanel : 1;
   const GroupScales scales = check_scales(scale, scale_units, "scale", n, groups, panel);
-  GroupScales zeros{nullptr, nullptr, nullptr, nullptr, groups, 1, panel};
+  GroupScales zeros{nullptr, nullptr, nullptr, nullptr, nullptr, groups, 1, panel};
   if (zero.numel() > 0) zeros = check_scales(zero, zero_units, "zero", n, groups, panel);
   TORCH_CHECK(!four || (table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous()),
               "table: int8 [16] for 4-bit codes");
@@ -700,18 +735,32 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
                 four ? table.data_ptr<int8_t>() : nullptr, six, decode};
 }
 
-// x's int16 blocks (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
+// x's int8 blocks (q int8 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group, bool with_sum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(group == 16 || group == 32, "activation blocks of 16 or 32");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group ", group);
-  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt16));
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
   auto d = torch::empty({m, k / group}, x.options());
   auto sum = with_sum ? torch::empty({m, k / group}, x.options()) : torch::empty({0}, x.options());
-  quantize_for(group, x.data_ptr<float>(), m, k, q.data_ptr<int16_t>(), d.data_ptr<float>(),
+  quantize_for(group, x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                with_sum ? sum.data_ptr<float>() : nullptr);
   return {q, d, sum};
+}
+
+// whether the panel loop adds an offset to its integers as a sum of q (dot_panel's kShifts), and which:
+// a 4-bit table's first entry (consecutive entries: the nibble is the rest), a 6-bit code's -32, or a signed
+// code's -128 where the dot product takes signed codes biased to unsigned bytes
+bool panel_shifts(const Weight& wt, int32_t* offset) {
+  if (!kPanelLoops || wt.panel != kPanel) return false;
+  if (!(wt.four() || wt.six) || wt.nibbles == kLookup) {  // signed codes: 8-bit, or through a table
+    *offset = -128;
+    return kBiasedSigned;
+  }
+  if (wt.nibbles == kPlain) return false;
+  *offset = wt.six ? kSixOffset : wt.table[0];
+  return true;
 }
 
 torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -724,13 +773,13 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const int64_t groups = k / group;
-  const bool shifted = (wt.nibbles == kShifted || wt.nibbles == kSix) && wt.panel == kPanel;  // the panel loop's
-  std::unique_ptr<int16_t[]> q(new int16_t[m * k]);
+  int32_t offset = 0;
+  const bool shifted = panel_shifts(wt, &offset);
+  std::unique_ptr<int8_t[]> q(new int8_t[m * k]);
   std::unique_ptr<float[]> d(new float[m * groups]);
   std::unique_ptr<float[]> sum(wt.has_zero() ? new float[m * groups] : nullptr);
   std::unique_ptr<int32_t[]> shift(shifted ? new int32_t[m * groups] : nullptr);
-  quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(),
-               !shifted ? 0 : wt.six ? kSixOffset : wt.table[0]);
+  quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(), offset);
   const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
   dispatch<MatmulKernel>(wt.four() || wt.six, group, wt.has_zero(), wt, a, m, out.data_ptr<float>(), n);
   return out;
@@ -773,9 +822,9 @@ torch::Tensor grouped_rows(const torch::Tensor& codes, const torch::Tensor& scal
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pagedserve::kReleaseGil;
   m.def("grouped_matmul", &grouped_matmul, kReleaseGil,
-        "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU), x rounded to int16 per group");
+        "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU), x rounded to int8 per group");
   m.def("quantize_activations", &quantize_activations, kReleaseGil,
-        "x float32 [M, K] -> (q int16 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
+        "x float32 [M, K] -> (q int8 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
   m.def("grouped_rows", &grouped_rows, kReleaseGil, "rows ids [R] of a grouped weight as float32 [R, K] (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the vector loops (AVX2, FMA and F16C; AVX-512 where present)");

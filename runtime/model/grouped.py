@@ -16,13 +16,14 @@ the C++ kernel (one arithmetic for any number of rows: a prefix-cache hit comput
 prompt does), or where it cannot build, by torch ops on blocks of the same values.
 
 The K-quants' scales stay factored as the file has them (kernels/grouped_matmul.Factored: an
-int8 per group times one float32 per 256 values), so Q4_K takes 4.75 bits a weight, not 6. The
+int8 per group times one float16 unit, the file's own d or dmin, per 256 values), so Q4_K takes 4.625
+bits a weight (the file's 4.5), not 6. The
 others' f16 scales (and Q4_1's mins) are kept as float16 where float16 holds every one exactly
 (grouped_matmul.narrowed; always, for a file's own f16): Q4_0 takes the file's 4.5 bits, not 5.
 
 A matrix stacked from GGUF tensors of different kinds (Q4_K_M keeps some attn_v in Q6_K beside
 Q4_K q and k) keeps each run of one kind in its own form, called apart (SplitGroupedWeight): one
-form for all would give the Q4_K rows int8 codes per 16, 9.25 bits a weight instead of 4.75.
+form for all would give the Q4_K rows int8 codes per 16, 9.125 bits a weight instead of 4.625.
 """
 
 from __future__ import annotations

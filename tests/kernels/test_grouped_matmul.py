@@ -1,10 +1,10 @@
 """The grouped-weight matmul (kernels/grouped_matmul.py) equals its float64 reference up to float32
 accumulation, in the build this CPU makes (AVX-512 or AVX2) and the plain C++ one alike (to the bit); any split of the rows gives the same
-bits; the activations round to int16 exactly as documented; one wrong nibble, scale or zero is far
+bits; the activations round to int8 exactly as documented; one wrong nibble, scale or zero is far
 outside the bound; the unpack gives the reference's values bit for bit; the torch path (no C++) agrees.
 
 Bound: the weights are the file's float32 values exactly (checked by the unpack) and the activations
-are their int16 blocks (q d, checked against the torch reference), so ref = (q d) @ W.T in float64 and
+are their int8 blocks (q d, checked against the torch reference), so ref = (q d) @ W.T in float64 and
 the only error is float32 arithmetic: per group one exact integer sum, its conversion to float (exact
 below 2^24), one rounded scale product (dw d) and one fma into lane g mod 8, K / (8 G) fmas a lane, a
 tree of 8 lanes, the zero terms' own lanes and tree, and their addition; a loose bound of it all:
@@ -90,7 +90,7 @@ def test_matches_the_float64_reference(kind):
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
 def test_the_activations_round_as_documented(kind):
-    """The kernel's int16 blocks equal the torch reference's bit for bit (ties to even included), and the
+    """The kernel's int8 blocks equal the torch reference's bit for bit (ties to even included), and the
     whole result stays within the rounding's own bound of x @ W.T with x unrounded: sum |W| d / 2."""
     group = kind[3]
     gen = torch.Generator().manual_seed(19)
@@ -100,7 +100,7 @@ def test_the_activations_round_as_documented(kind):
     ref_q, ref_d = grouped_matmul.activation_blocks_reference(x, group)
     assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
     assert (q[2, :group] == 0).all() and d[2, 0] == 0
-    ties = torch.tensor([[1.5, 2.5, -0.5] + [0.0] * (group - 4) + [32767.0]])  # max 32767: scaled = x exactly
+    ties = torch.tensor([[1.5, 2.5, -0.5] + [0.0] * (group - 4) + [127.0]])  # max 127: scaled = x exactly
     assert grouped_matmul.quantize_activations(ties, group)[0][0, :3].tolist() == [2, 2, 0]
     weight = _weight(*kind, seed=23)
     out = grouped_matmul.grouped_matmul(x, *weight).double()
@@ -269,14 +269,18 @@ FACTORED_KINDS = [(48, 512, "q4_1", 32, True, 8), (37, 512, "q4_1", 32, True, 8)
 
 @pytest.mark.parametrize("kind", FACTORED_KINDS, ids=lambda k: "x".join(map(str, k)))
 def test_factored_scales_give_the_float_scales_bits(kind):
-    """int8 scales and zeros times a unit per run of groups are the same floats (the product is exact), so
-    every loop (one row, row blocks, the panel layout, the plain build, the unpack, the torch path) gives
-    the float form's bits, and stays within the float64 bound."""
+    """int8 scales and zeros times a unit per run of groups, the unit float32 or (narrowed, as a file's f16 d)
+    float16, are the same floats (the product is exact), so every loop (one row, row blocks, the panel
+    layout, the plain build, the unpack, the torch path) gives the float form's bits, and stays within the
+    float64 bound."""
     factored, floats = _factored(*kind, seed=41)
-    layouts = [(factored, floats)]
+    half = (factored[0], grouped_matmul.narrowed(factored[1]), grouped_matmul.narrowed(factored[2]), factored[3])
+    assert half[1].units.dtype == torch.float16 and half[1].nbytes() < factored[1].nbytes()
+    layouts = [(factored, floats), (half, floats)]
     if kind[0] % grouped_matmul.PANEL == 0:
-        layouts.append(((*grouped_matmul.to_panels(*factored[:3]), factored[3]),
-                        (*grouped_matmul.to_panels(*floats[:3]), floats[3])))
+        for form in (factored, half):
+            layouts.append(((*grouped_matmul.to_panels(*form[:3]), form[3]),
+                            (*grouped_matmul.to_panels(*floats[:3]), floats[3])))
     for weight, twin in layouts:
         assert torch.equal(grouped_matmul.grouped_values(*weight), grouped_matmul.grouped_values(*twin))
         for rows in (1, 2, 5, 9, 17):

@@ -53,11 +53,12 @@ def test_q4_weights_kept_answer_and_weigh_about_the_file(smollm2_gguf, q4_float3
     model = engine.runner.model
     kinds = {type(model.layers[0].self_attn.qkv_packed).__name__, type(model.layers[-1].mlp.down_packed).__name__}
     assert kinds == {"GroupedWeight"}  # the file's Q4_1 groups, its f16 scales as float16 (runtime/model/grouped.py)
-    out = engine.generate([_chat(engine, QUESTIONS[1])], SamplingParams(max_tokens=16, temperature=0))[0]
+    # llama-server on this file answers "The primary colors are:\n\nRed (R)\nBlue (B)\nYellow (Y)" (20 tokens)
+    out = engine.generate([_chat(engine, QUESTIONS[1])], SamplingParams(max_tokens=24, temperature=0))[0]
     assert all(color in out.outputs[0].text for color in ("Red", "Blue", "Yellow")), out.outputs[0].text
     # "The capital of France is Paris." opens on a near-tie: "The" against "L" (of "L'Étoile, ..."), within
-    # 0.3 nats in both dtypes and every matmul path, so which one greedy takes moves with the last bit of
-    # the kernels; what must hold is that the answer's opening is one of the two
+    # 0.3 nats in both dtypes and every matmul path, so which one greedy takes moves with the kernels'
+    # rounding (llama-server on this file takes "L"); what must hold is that the answer's opening is one of the two
     first = engine.generate([_chat(engine, QUESTIONS[0])], SamplingParams(max_tokens=1, temperature=0, logprobs=2))
     top_two = {engine.tokenizer.decode([token_id]) for token_id in first[0].outputs[0].logprobs[0]}  # (+ the pick)
     assert "The" in top_two, top_two
@@ -80,9 +81,11 @@ def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
     """The prompt's last rows after a hit go through the grouped kernel alone, a cold prompt's with the rest:
     those agree bit for bit (tests/kernels/test_grouped_matmul.py). Attention does not quite: torch's CPU
     flash kernel rounds a row's sums differently by how many query rows share its call (1-3 rows, 4-16 and
-    33 do not agree to the bit on this AVX2 machine), and the kernel's int16 activations turn such a last-bit
-    difference, where it flips a rounding, into half an int16 step (2^-16 of its block's largest value): so
-    the logprobs agree to 2e-3 (8e-4 measured), the answer exactly."""
+    33 do not agree to the bit on this AVX2 machine), and the kernel's int8 activations turn such a last-bit
+    difference, where it flips a rounding, into half an int8 step (2^-8 of its block's largest value), which
+    30 layers carry on: the chosen tokens' logprobs moved by up to 0.27 nats (measured; 8e-4 with the int16
+    activations before), a top-5 entry past the chosen one can trade places with its neighbour at a near-tie,
+    and the answer stays the same."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     for question in QUESTIONS[:2]:
         prompt = _chat(q4_float32, question)
@@ -92,5 +95,7 @@ def test_q4_a_prefix_cache_hit_computes_what_a_cold_prompt_does(q4_float32):
         assert cold.num_cached_tokens == 0 and cached.num_cached_tokens >= 32
         assert cached.outputs[0].token_ids == cold.outputs[0].token_ids
         for cached_step, cold_step in zip(cached.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True):
-            assert cached_step.keys() == cold_step.keys()
-            assert all(abs(cached_step[t] - cold_step[t]) < 2e-3 for t in cold_step)
+            assert all(abs(cached_step[t] - cold_step[t]) < 0.4 for t in cached_step.keys() & cold_step.keys())
+            for t in cached_step.keys() ^ cold_step.keys():  # in one top 5 only: at the other's edge
+                step, other = (cached_step, cold_step) if t in cached_step else (cold_step, cached_step)
+                assert step[t] - min(other.values()) < 0.4, (t, cached_step, cold_step)

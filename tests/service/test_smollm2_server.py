@@ -43,9 +43,11 @@ def client(server):
 
 def test_serves_the_chat_model_under_its_file_name(client):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct.Q4_1"]
-    out = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=20,
-                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in out.choices[0].message.content
+    # (the capital of France opens on a near-tie this file's greedy answer turns with the kernels' rounding:
+    # llama-server answers "L'Étoile, ...", and so do we: tests/runtime/test_smollm2.py)
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=40,
+                                         messages=[{"role": "user", "content": "Name three primary colors."}])
+    assert all(color in out.choices[0].message.content for color in ("Red", "Blue", "Yellow")), out.choices[0]
     assert out.choices[0].finish_reason == "stop"  # <|im_end|> from the GGUF's metadata ends the turn
 
 

@@ -355,7 +355,8 @@ def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tens
     """What the kernel rounds x float32 [M, K] to, by torch ops: q int8 [M, K], d float32 [M, K // group].
 
     Per block of `group` inputs: d = max|x| / 127, q = round(x * (127 / max|x|)) to nearest even
-    (all zero for an all-zero block; d NaN and q 0 for a block with a NaN or an infinity).
+    (all zero for an all-zero block, and for one so small that 127 / max|x| is no float32: d = 0; d NaN and
+    q 0 for a block with a NaN or an infinity).
     """
     m, k = x.shape
     blocks = x.float().reshape(m, k // group, group)
@@ -364,6 +365,8 @@ def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tens
     limit = torch.full_like(amax, ACTIVATION_MAX)  # a tensor: torch divides by a Python number as a reciprocal's product
     d = torch.where(finite, amax / limit, torch.full_like(amax, float("nan")))
     inverse = torch.where(finite & (amax > 0), limit / amax, torch.zeros_like(amax))
+    tiny = torch.isinf(inverse)  # max|x| < 127 / FLT_MAX: the block rounds to zeros
+    d, inverse = torch.where(tiny, torch.zeros_like(d), d), torch.where(tiny, torch.zeros_like(inverse), inverse)
     scaled = torch.where(finite[..., None], blocks * inverse[..., None], torch.zeros_like(blocks))
     q = scaled.round().clamp(-ACTIVATION_MAX, ACTIVATION_MAX).to(torch.int8)
     return q.reshape(m, k), d

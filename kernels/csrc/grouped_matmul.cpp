@@ -179,14 +179,17 @@ inline float reduce_lanes(const float* a) {
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// the scale of one block of activations, and its inverse (0 for an all-zero block)
+// the scale of one block of activations, and its inverse (0 for an all-zero block; a block whose largest
+// value is below 127 / FLT_MAX, ~3.7e-37, where the inverse is no float, rounds to zeros: d = 0, q = 0)
 inline void block_scale(float amax, bool finite, float* d, float* inverse) {
   if (!finite) {
     *d = __builtin_nanf("");
     *inverse = 0.0f;
   } else {
-    *d = amax / kActivationMax;
-    *inverse = amax > 0.0f ? kActivationMax / amax : 0.0f;
+    const float inverse_of = amax > 0.0f ? kActivationMax / amax : 0.0f;
+    const bool tiny = inverse_of > __FLT_MAX__;
+    *d = tiny ? 0.0f : amax / kActivationMax;
+    *inverse = tiny ? 0.0f : inverse_of;
   }
 }
 
@@ -671,7 +674,7 @@ void unpack_rows(const Weight& wt, int64_t start, int64_t end, float* out) {
 // the weight's outputs N: codes [N, K / 2] or [N, K] (rows), or [N / 16, K / G, 16 * group bytes] (panels)
 int64_t outputs_of(const torch::Tensor& codes) { return codes.dim() == 3 ? codes.size(0) * kPanel : codes.size(0); }
 
-// scale (or zero): float32 or float16 in the weight's layout, or int8 in it with `units` float32 [.., groups / per_unit, ..]
+// scale (or zero): float32 or float16 in the weight's layout, or int8 in it with `units` float32 or float16 [.., groups / per_unit, ..]
 // beside it (factored); `what` names it in errors. panel: kPanel ([N / 16, groups, 16]) or 1 ([N, groups])
 GroupScales check_scales(const torch::Tensor& values, const torch::Tensor& units, const char* what, int64_t n,
                          int64_t groups, int64_t panel) {

@@ -90,8 +90,8 @@ class GroupedWeight(QuantizedWeight):
         self.padded_outputs = -out_features % grouped_matmul.PANEL
         if self.padded_outputs:
             ints, scale, zero = grouped_matmul.padded(ints, scale, zero, self.padded_outputs)
-        # 4-bit codes as nibbles; 8-bit ones in 6 bits where they fit (Q5_x's and Q6_K's always do: 6.5 bits a
-        # weight for Q6_K instead of 8.6, the file's 6.56)
+        # 4-bit codes as nibbles; 8-bit ones in 6 bits where they fit (Q5_x's and Q6_K's always do: Q6_K takes the
+        # file's 6.5625 bits a weight instead of 8.5625)
         bits = 4 if self.table is not None else 6 if grouped_matmul.fits_six_bits(ints) else 8
         # codes [out / 16, in // group, 16 * group bytes], scale and zero [out / 16, in // group, 16]
         self.codes, self.scale, self.zero = grouped_matmul.panels_of_ints(ints, bits, scale, zero)

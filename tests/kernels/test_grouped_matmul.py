@@ -96,10 +96,12 @@ def test_the_activations_round_as_documented(kind):
     gen = torch.Generator().manual_seed(19)
     x = torch.randn(13, kind[1], generator=gen) * torch.logspace(-3, 3, kind[1])  # blocks of very unlike sizes
     x[2, :group] = 0.0  # an all-zero block
+    x[3, :group] = torch.linspace(-3e-37, 3e-38, group)  # too small for 127 / max|x| to be a float: zeros
     q, d = grouped_matmul.quantize_activations(x, group)
     ref_q, ref_d = grouped_matmul.activation_blocks_reference(x, group)
     assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
-    assert (q[2, :group] == 0).all() and d[2, 0] == 0
+    assert torch.equal(grouped_matmul.quantize_activations(x, group, portable=True)[0], q)
+    assert (q[2, :group] == 0).all() and d[2, 0] == 0 and (q[3, :group] == 0).all() and d[3, 0] == 0
     ties = torch.tensor([[1.5, 2.5, -0.5] + [0.0] * (group - 4) + [127.0]])  # max 127: scaled = x exactly
     assert grouped_matmul.quantize_activations(ties, group)[0][0, :3].tolist() == [2, 2, 0]
     weight = _weight(*kind, seed=23)
@@ -299,12 +301,22 @@ def test_factored_scales_give_the_float_scales_bits(kind):
     assert (picked[2] is None) if floats[2] is None else torch.equal(picked[2].floats(), floats[2][ids])
 
 
-def test_the_avx2_build_gives_the_same_bits():
-    """The AVX2 loops (8 outputs a vector, a panel in two halves), built with AVX-512 turned off, against the
-    build this CPU makes and the plain one: panels of 4-, 6- and 8-bit codes, float32, float16 and factored scales."""
-    avx2 = cpu_extension.load("grouped_matmul.cpp", ("-mno-avx512f",))
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512vnni",)], ids=["avx2", "avx512-without-vnni"])
+def test_the_other_builds_give_the_same_bits(flags):
+    """The AVX2 loops (8 outputs a vector, a panel in two halves), built with AVX-512 turned off, and the AVX-512
+    loops without VNNI (vpmaddubsw: signed codes as their magnitudes against the inputs signed by them), against the
+    build this CPU makes and the plain one: panels of 4-, 6- and 8-bit codes (the whole int8 range too), float32,
+    float16 and factored scales (float32 and float16 units). (On a CPU without AVX-512 the second is this CPU's
+    own build.)"""
+    other = cpu_extension.load("grouped_matmul.cpp", flags)
     factored, _ = _factored(48, 512, "q4_1", 32, True, 8, seed=61)
     weights = [(*grouped_matmul.to_panels(*factored[:3]), factored[3])]
+    weights.append((*grouped_matmul.to_panels(factored[0], *(grouped_matmul.narrowed(s) for s in factored[1:3])),
+                    factored[3]))
+    gen = torch.Generator().manual_seed(64)
+    full = torch.randint(-128, 128, (32, 512), dtype=torch.int8, generator=gen)
+    full[0] = -128  # the code whose magnitude is no int8
+    weights.append((*grouped_matmul.to_panels(full, torch.rand(32, 16, generator=gen) * 1e-2, None), None))
     for kind in SIX_KINDS:
         codes, scale, zero, _ = _weight(*kind, seed=62)
         weights.append((*grouped_matmul.to_panels(codes, scale, zero, bits=6), None))
@@ -317,7 +329,7 @@ def test_the_avx2_build_gives_the_same_bits():
     for weight in weights:
         for rows in (1, 3, 6, 9):
             x = torch.randn(rows, _shape_of(weight)[1], generator=torch.Generator().manual_seed(rows + 7))
-            out = avx2.grouped_matmul(x, *grouped_matmul.kernel_arguments(*weight))
+            out = other.grouped_matmul(x, *grouped_matmul.kernel_arguments(*weight))
             assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight))
             assert torch.equal(out, grouped_matmul.grouped_matmul(x, *weight, portable=True))
 

@@ -53,6 +53,16 @@ def eight_bit_twin(weight: GroupedWeight) -> GroupedWeight:
     return twin
 
 
+def weight_copies(types: list[str], quick: bool):
+    """(type, out, in, copies) for each type and shape of SHAPES: random valid blocks in copies that together
+    exceed the last-level cache (an eighth of that under --quick), the same blocks on every run."""
+    rng = np.random.default_rng(0)
+    budget = COPIES_BYTES // (8 if quick else 1)
+    for type_name in types:
+        for n, k in SHAPES:
+            yield type_name, n, k, _copies(type_name, n, k, budget, rng)
+
+
 def measure(copies: list[GroupedWeight], rows: int, passes: int = 3) -> float:
     """Seconds of one call at `rows` rows: the best pass over all the copies."""
     x = torch.randn(rows, copies[0].in_features)
@@ -74,22 +84,18 @@ def main() -> None:
     args = parser.parse_args()
     quick_mode(args.quick)
     pin_threads()
-    rng = np.random.default_rng(0)
-    budget = COPIES_BYTES // (8 if args.quick else 1)
     results = []
-    for type_name in args.types:
-        for n, k in SHAPES:
-            copies = _copies(type_name, n, k, budget, rng)
-            forms = [copies] + ([[eight_bit_twin(w) for w in copies]] if copies[0].form == "grouped6" else [])
-            for rows in args.rows:
-                for _ in range(3 if len(forms) > 1 else 1):  # alternated, each pass the best of 3
-                    for weights in forms:
-                        seconds = measure(weights, rows)
-                        results.append({"type": type_name, "form": weights[0].form, "out": n, "in": k, "rows": rows,
-                                        "ms": seconds * 1e3, "ms_per_row": seconds * 1e3 / rows,
-                                        "weight_gbs": weights[0].nbytes() / seconds / 1e9})
-                        log(f"{type_name} {weights[0].form} {n}x{k} rows {rows:3d}: {seconds * 1e3:7.3f} ms, "
-                            f"{seconds * 1e3 / rows:.3f} ms a row")
+    for type_name, n, k, copies in weight_copies(args.types, args.quick):
+        forms = [copies] + ([[eight_bit_twin(w) for w in copies]] if copies[0].form == "grouped6" else [])
+        for rows in args.rows:
+            for _ in range(3 if len(forms) > 1 else 1):  # alternated, each pass the best of 3
+                for weights in forms:
+                    seconds = measure(weights, rows)
+                    results.append({"type": type_name, "form": weights[0].form, "out": n, "in": k, "rows": rows,
+                                    "ms": seconds * 1e3, "ms_per_row": seconds * 1e3 / rows,
+                                    "weight_gbs": weights[0].nbytes() / seconds / 1e9})
+                    log(f"{type_name} {weights[0].form} {n}x{k} rows {rows:3d}: {seconds * 1e3:7.3f} ms, "
+                        f"{seconds * 1e3 / rows:.3f} ms a row")
     write_result("grouped_rows", args.quick, {"machine": machine_info(), "rows": results})
     print(f"{'type':6s} {'form':9s} {'shape':10s} " + " ".join(f"{r:>9d}" for r in args.rows) + "   (ms a row, best)")
     for type_name in args.types:

@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common import log, machine_info, pin_threads, quick_mode, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_grouped_rows import COPIES_BYTES, SHAPES, TYPES, _copies  # noqa: E402
+from bench_grouped_rows import SHAPES, TYPES, weight_copies  # noqa: E402
 
 from kernels import cpu_extension, grouped_matmul  # noqa: E402
 
@@ -71,26 +70,22 @@ def main() -> None:
     quick_mode(args.quick)
     pin_threads()
     ours, theirs = grouped_matmul._extension().grouped_matmul, base_kernel(args.base.resolve()).grouped_matmul
-    rng = np.random.default_rng(0)
-    budget = COPIES_BYTES // (8 if args.quick else 1)
     results = []
-    for type_name in args.types:
-        for n, k in SHAPES:
-            copies = _copies(type_name, n, k, budget, rng)
-            our_sets = [w.kernel_arguments() for w in copies]
-            their_sets = [_widened(a) for a in our_sets]
-            for rows in args.rows:
-                x = torch.randn(rows, k)
-                ours(x, *our_sets[0]), theirs(x, *their_sets[0])  # built and warm
-                times = {"ours": [], "base": []}
-                for _ in range(PASSES):
-                    times["ours"].append(_round(ours, our_sets, x))
-                    times["base"].append(_round(theirs, their_sets, x))
-                best = {name: min(values) * 1e3 for name, values in times.items()}
-                results.append({"type": type_name, "form": copies[0].form, "out": n, "in": k, "rows": rows,
-                                "ms_ours": best["ours"], "ms_base": best["base"], "base_over_ours": best["base"] / best["ours"]})
-                log(f"{type_name} {n}x{k} rows {rows:3d}: ours {best['ours']:.3f} ms, base {best['base']:.3f} ms "
-                    f"(x{best['base'] / best['ours']:.2f})")
+    for type_name, n, k, copies in weight_copies(args.types, args.quick):
+        our_sets = [w.kernel_arguments() for w in copies]
+        their_sets = [_widened(a) for a in our_sets]
+        for rows in args.rows:
+            x = torch.randn(rows, k)
+            ours(x, *our_sets[0]), theirs(x, *their_sets[0])  # built and warm
+            times = {"ours": [], "base": []}
+            for _ in range(PASSES):
+                times["ours"].append(_round(ours, our_sets, x))
+                times["base"].append(_round(theirs, their_sets, x))
+            best = {name: min(values) * 1e3 for name, values in times.items()}
+            results.append({"type": type_name, "form": copies[0].form, "out": n, "in": k, "rows": rows,
+                            "ms_ours": best["ours"], "ms_base": best["base"], "base_over_ours": best["base"] / best["ours"]})
+            log(f"{type_name} {n}x{k} rows {rows:3d}: ours {best['ours']:.3f} ms, base {best['base']:.3f} ms "
+                f"(x{best['base'] / best['ours']:.2f})")
     write_result("kernel_ab", args.quick, {"machine": machine_info(), "base": str(args.base), "passes": PASSES,
                                            "rows": results})
     print(f"{'type':6s} {'shape':10s} " + " ".join(f"{r:>16d}" for r in args.rows) + "   (ms a call: base / ours)")

@@ -169,7 +169,7 @@ struct Activations {  // x [M, K] in int8 blocks of G: x ~= q * d
   const int8_t* q;    // [M][K]
   const float* d;     // [M][groups]
   const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
-  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q) (Weight::offset), else nullptr
+  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q) where panel_shifts says so, else nullptr
   int64_t k;
   int64_t groups;
 };
@@ -277,7 +277,7 @@ inline VecI high_nibbles(const uint8_t* p, int64_t) {
 }
 inline VecI lookup(VecI table, VecI index) { return _mm512_shuffle_epi8(table, index); }
 inline VecI xor_bytes(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
-// each 16 bytes' output lanes: bytes (2t, 2t + 1, 8 + 2t, 9 + 2t) to 32-bit lane t (kQuadOrder)
+// each 16 bytes' output lanes: bytes (2t, 2t + 1, 8 + 2t, 9 + 2t) to 32-bit lane t (quad_order)
 inline VecI shuffle_quads(VecI a) { return _mm512_shuffle_epi8(a, _mm512_broadcast_i32x4(quad_order())); }
 inline VecI zero_int() { return _mm512_setzero_si512(); }
 inline VecI splat_int(int32_t v) { return _mm512_set1_epi32(v); }
@@ -286,7 +286,7 @@ inline VecI table_of(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_
 #if defined(__AVX512VNNI__)
 constexpr bool kBiasedSigned = true;
 inline VecI dot_quads(VecI acc, VecI w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
-inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // unused: signed codes come biased
+inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // never called (kSignedDot is false): for the template's name lookup
 #else
 constexpr bool kBiasedSigned = false;
 inline VecI dot_quads(VecI acc, VecI w, int32_t x) {  // w <= 127: the pairs' int16 sums cannot saturate
@@ -335,7 +335,7 @@ inline VecI table_of(const int8_t* t) { return _mm256_broadcastsi128_si256(_mm_l
 #if defined(__AVXVNNI__)
 constexpr bool kBiasedSigned = true;
 inline VecI dot_quads(VecI acc, VecI w, int32_t x) { return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x)); }
-inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // unused: signed codes come biased
+inline VecI dot_quads_signed(VecI acc, VecI, int32_t) { return acc; }  // never called (kSignedDot is false): for the template's name lookup
 #else
 constexpr bool kBiasedSigned = false;
 inline VecI dot_quads(VecI acc, VecI w, int32_t x) {  // w <= 127: the pairs' int16 sums cannot saturate
@@ -389,16 +389,10 @@ class PanelWalk {
       halves_ += kPanel;
       return v;
     }
-    v = mul(units_ != nullptr ? load_floats(units_) : half_floats(half_units_), int8_floats(ints_));
+    if (in_unit_ == 0) unit_ = next_unit();  // converted once per run of groups, not per group
+    v = mul(unit_, int8_floats(ints_));
     ints_ += kPanel;
-    if (++in_unit_ == per_unit_) {
-      in_unit_ = 0;
-      if (units_ != nullptr) {
-        units_ += kPanel;
-      } else {
-        half_units_ += kPanel;
-      }
-    }
+    if (++in_unit_ == per_unit_) in_unit_ = 0;
     return v;
   }
   const void* ahead(int64_t groups) const {
@@ -407,12 +401,24 @@ class PanelWalk {
   }
 
  private:
+  VecF next_unit() {  // a factored form's next unit, float32 or float16
+    if (units_ != nullptr) {
+      const VecF u = load_floats(units_);
+      units_ += kPanel;
+      return u;
+    }
+    const VecF u = half_floats(half_units_);
+    half_units_ += kPanel;
+    return u;
+  }
+
   const float* floats_;
   const uint16_t* halves_;
   const int8_t* ints_;
   const float* units_;
   const uint16_t* half_units_;
   int64_t per_unit_, in_unit_ = 0;
+  VecF unit_ = zero_float();
 };
 
 // one load (64 bytes at `bytes`, this slice's part of it) as bytes, one output a 32-bit lane, 4 inputs to

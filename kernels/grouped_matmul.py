@@ -37,7 +37,10 @@ A grouped weight [N, K] (runtime/model/grouped.py makes one from a GGUF tensor):
                (d = max|x| / 127: 2^-8 of the block's largest value, as llama.cpp's Q8_0 activations;
                quantize_activations, and its torch twin activation_blocks_reference, bit for bit), each
                group's integer dot product exact (vpdpbusd / vpmaddubsw), then one fma per group into the lane of the group's number
-               mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart): a row's
+               mod 8, the 8 lanes reduced by a fixed tree (the zero terms likewise, apart). Factored scales
+               (the K-quants; activation_span says when) take the unit arithmetic: x rounded per unit span
+               (P G inputs, 256 for Q4_K and Q6_K, as llama.cpp's Q8_K), a unit's groups summed in int32
+               with their ints, one fma per unit into the lane of the unit's number mod 8. Either way a row's
                result does not depend on the rows beside it, and the layouts and the AVX-512, AVX2 and
                plain builds agree to the bit (tests: the build this CPU makes and the plain one). Only
                the panel layout has vector loops (runtime/model/grouped.py pads any N to panels).
@@ -345,16 +348,31 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Sc
     return kernel_call(codes, scale, zero, table, portable)(x)
 
 
-def quantize_activations(x: torch.Tensor, group: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's own int8 blocks of x float32 [M, K]: q int8 [M, K], d float32 [M, K // group]."""
-    q, d, _ = _extension(portable).quantize_activations(x.contiguous(), group, False)
+MAX_UNIT_SPAN = 1024  # the unit arithmetic's largest span (kMaxUnitSpan: a unit's int32 sum cannot overflow)
+
+
+def activation_span(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> int:
+    """Inputs to one block of the kernel's int8 activations for this weight: G, or a factored weight's unit span
+    (P G, Q4_K's and Q6_K's 256) where the kernel does the unit arithmetic (kernels/csrc/grouped_matmul.cpp):
+    scales factored, zeros none or factored with the same units, the span at most MAX_UNIT_SPAN."""
+    group = _group(codes, scale)
+    if not isinstance(scale, Factored) or scale.per_unit * group > MAX_UNIT_SPAN:
+        return group
+    if zero is not None and not (isinstance(zero, Factored) and zero.per_unit == scale.per_unit):
+        return group
+    return scale.per_unit * group
+
+
+def quantize_activations(x: torch.Tensor, span: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's own int8 blocks of x float32 [M, K]: q int8 [M, K], d float32 [M, K // span]."""
+    q, d = _extension(portable).quantize_activations(x.contiguous(), span)
     return q, d
 
 
 def activation_blocks_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel rounds x float32 [M, K] to, by torch ops: q int8 [M, K], d float32 [M, K // group].
 
-    Per block of `group` inputs: d = max|x| / 127, q = round(x * (127 / max|x|)) to nearest even
+    Per block of `group` inputs (activation_span's): d = max|x| / 127, q = round(x * (127 / max|x|)) to nearest even
     (all zero for an all-zero block, and for one so small that 127 / max|x| is no float32: d = 0; d NaN and
     q 0 for a block with a NaN or an infinity).
     """

@@ -21,6 +21,15 @@
 //   zacc[g % 8] = fma(zero[g], d[g] * (sum of the block's q), zacc[g % 8])  (a weight with zeros)
 //   out = reduce(acc) + reduce(zacc)       reduce: one fixed tree of the 8 lanes
 // (float(isum) rounds to nearest even past 2^24: every build converts the same integer the same way.)
+// The unit arithmetic (factored scales, and zeros none or factored with the same units: the K-quants,
+// IQ4_XS; Weight::units): the activations are rounded per unit span instead (P groups, Q4_K's and Q6_K's
+// 256 inputs, as llama.cpp's Q8_K does), each unit's groups are summed in int32 with their ints, and one
+// float step a unit goes into the lane of the unit's number mod 8:
+//   acc[u % 8] = fma(float(sum over u's groups of sc[g] * isum[g]), unit[u] * d[u], acc[u % 8])
+//   zacc[u % 8] = fma(float(sum over u's groups of m[g] * (sum of g's q)), zero_unit[u] * d[u], zacc[u % 8])
+// exact integers below 2^31 while a span is at most kMaxUnitSpan inputs; the zeros' products come two
+// groups to a vpmaddwd (m and the sums of q fit int16). A per-group float step cost ~4 instructions a row
+// against a group's 8 byte dot products; this takes 2 (vpmulld, vpaddd) and one step a unit.
 // A row's result therefore never depends on the rows beside it, on how the rows are split into calls
 // (a prefix-cache hit, whose last rows arrive alone, computes what the whole prompt did; a speculative
 // verify computes what plain decoding does), on the layout, or on the build: the AVX-512, AVX2 and plain
@@ -86,6 +95,7 @@ constexpr int kRowBlock = 4;                    // rows that share one decode of
 constexpr int64_t kRowChunkBytes = 256 * 1024;  // int8 rows run against each panel at a time (L2)
 constexpr int64_t kPrefetchBytes = 2048;        // how far ahead of the decode loop its weight stream is fetched
 constexpr float kActivationMax = 127.0f;        // int8 activations: q in [-127, 127]
+constexpr int64_t kMaxUnitSpan = 1024;          // a unit's inputs, at most, for its int32 sum: 1024 * 127 * 128 * 128 < 2^31
 
 // how the vector loop makes a code's integer: a 4-bit one through the table, or (a table of 16
 // consecutive integers, as Q4_0's -8..7 and Q4_1's / Q4_K's 0..15 are) the nibble itself, plus table[0] * (sum
@@ -113,9 +123,12 @@ struct GroupScales {
   float value(int64_t n, int64_t g) const {  // output n's group g
     if (floats != nullptr) return floats[at(n) + g * panel];
     if (halves != nullptr) return static_cast<float>(c10::Half(halves[at(n) + g * panel], c10::Half::from_bits()));
-    const int64_t u = unit_at(n) + (g / per_unit) * panel;
-    const float unit = units != nullptr ? units[u] : static_cast<float>(c10::Half(half_units[u], c10::Half::from_bits()));
-    return unit * static_cast<float>(ints[at(n) + g * panel]);
+    return unit(n, g / per_unit) * static_cast<float>(int_at(n, g));
+  }
+  int32_t int_at(int64_t n, int64_t g) const { return ints[at(n) + g * panel]; }  // factored: output n's group g's int
+  float unit(int64_t n, int64_t u) const {  // factored: output n's unit u
+    const int64_t i = unit_at(n) + u * panel;
+    return units != nullptr ? units[i] : static_cast<float>(c10::Half(half_units[i], c10::Half::from_bits()));
   }
 };
 
@@ -130,6 +143,9 @@ struct Weight {
   const int8_t* table;  // 16 entries (4-bit codes), else nullptr
   bool six;             // 6-bit codes (panels only)
   Nibbles nibbles;      // 4- and 6-bit codes: how the vector loop decodes them
+  bool units;           // factored scales (and zeros, if any, with the same units): the unit arithmetic
+
+  int64_t span() const { return units ? scale.per_unit * group : group; }  // inputs to an activation block
 
   bool four() const { return table != nullptr; }
   bool has_zero() const { return zero.present(); }
@@ -165,13 +181,15 @@ struct Weight {
   }
 };
 
-struct Activations {  // x [M, K] in int8 blocks of G: x ~= q * d
+struct Activations {  // x [M, K] in int8 blocks of `span` inputs (G, or a unit's span: Weight::units): x ~= q * d
   const int8_t* q;    // [M][K]
-  const float* d;     // [M][groups]
-  const float* sum;   // [M][groups]: d * (sum of the block's q), for the zero term; nullptr: none
-  const int32_t* shift;  // [M][groups]: offset * (sum of the block's q) where panel_shifts says so, else nullptr
+  const float* d;     // [M][spans]
+  const float* sum;   // [M][groups]: d * (sum of the group's q), for the per-group zero term; nullptr: none
+  const int32_t* shift;  // [M][groups]: offset * (sum of the group's q) where panel_shifts says so, else nullptr
+  const int32_t* pairs;  // [M][groups / 2]: two groups' sums of q as int16s, for the unit zero term; nullptr: none
   int64_t k;
   int64_t groups;
+  int64_t spans;      // K / span
 };
 
 // the 8 lanes of an accumulator summed by one fixed tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
@@ -197,16 +215,35 @@ inline void block_scale(float amax, bool finite, float* d, float* inverse) {
 template <bool kZero>
 float dot_scalar(const Weight& wt, int64_t n, const Activations& a, int64_t row) {
   const int8_t* xq = a.q + row * a.k;
-  const float* xd = a.d + row * a.groups;
+  const float* xd = a.d + row * a.spans;
   float acc[8] = {}, zacc[8] = {};
   int32_t ints[32];
-  for (int64_t g = 0; g < wt.groups; ++g) {
-    wt.decode_group(n, g, ints);
-    int32_t isum = 0;
-    for (int64_t i = 0; i < wt.group; ++i) isum += ints[i] * static_cast<int32_t>(xq[g * wt.group + i]);
-    const float s = wt.scale.value(n, g) * xd[g];
-    acc[g & 7] = __builtin_fmaf(static_cast<float>(isum), s, acc[g & 7]);
-    if constexpr (kZero) zacc[g & 7] = __builtin_fmaf(wt.zero.value(n, g), a.sum[row * a.groups + g], zacc[g & 7]);
+  if (wt.units) {  // per unit: integers to the end, then one float step for the scales and one for the zeros
+    const int64_t per = wt.scale.per_unit;
+    for (int64_t u = 0; u < a.spans; ++u) {
+      int32_t scaled = 0, zeroed = 0;
+      for (int64_t g = u * per; g < (u + 1) * per; ++g) {
+        wt.decode_group(n, g, ints);
+        int32_t isum = 0, qsum = 0;
+        for (int64_t i = 0; i < wt.group; ++i) {
+          isum += ints[i] * static_cast<int32_t>(xq[g * wt.group + i]);
+          qsum += xq[g * wt.group + i];
+        }
+        scaled += wt.scale.int_at(n, g) * isum;
+        if constexpr (kZero) zeroed += wt.zero.int_at(n, g) * qsum;
+      }
+      acc[u & 7] = __builtin_fmaf(static_cast<float>(scaled), wt.scale.unit(n, u) * xd[u], acc[u & 7]);
+      if constexpr (kZero) zacc[u & 7] = __builtin_fmaf(static_cast<float>(zeroed), wt.zero.unit(n, u) * xd[u], zacc[u & 7]);
+    }
+  } else {
+    for (int64_t g = 0; g < wt.groups; ++g) {
+      wt.decode_group(n, g, ints);
+      int32_t isum = 0;
+      for (int64_t i = 0; i < wt.group; ++i) isum += ints[i] * static_cast<int32_t>(xq[g * wt.group + i]);
+      const float s = wt.scale.value(n, g) * xd[g];
+      acc[g & 7] = __builtin_fmaf(static_cast<float>(isum), s, acc[g & 7]);
+      if constexpr (kZero) zacc[g & 7] = __builtin_fmaf(wt.zero.value(n, g), a.sum[row * a.groups + g], zacc[g & 7]);
+    }
   }
   float total = reduce_lanes(acc);
   if constexpr (kZero) total += reduce_lanes(zacc);
@@ -215,12 +252,12 @@ float dot_scalar(const Weight& wt, int64_t n, const Activations& a, int64_t row)
 
 #ifdef PAGEDSERVE_GROUPED_AVX2
 
-template <int G>
-void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* shift, int32_t offset) {
+// the largest |x| of n inputs (n a multiple of 8), and whether all are finite
+inline float block_amax(const float* x, int64_t n, bool* finite) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 largest = _mm256_set1_ps(__FLT_MAX__);
   __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-  for (int v = 0; v < G / 8; ++v) {
+  for (int64_t v = 0; v < n / 8; ++v) {
     const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + v * 8), abs_mask);
     amax = _mm256_max_ps(amax, a);
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
@@ -228,10 +265,15 @@ void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* sh
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  float inverse;
-  block_scale(_mm_cvtss_f32(m), _mm256_movemask_ps(bad) == 0, d, &inverse);
+  *finite = _mm256_movemask_ps(bad) == 0;
+  return _mm_cvtss_f32(m);
+}
+
+// G inputs (a multiple of 16) times `inverse` rounded to int8 (to nearest even) at q; the sum of their q
+template <int G>
+inline int32_t round_group(const float* x, float inverse, bool keep_any, int8_t* q) {
   const __m256 inv = _mm256_set1_ps(inverse);
-  const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(*d == *d ? -1 : 0));  // a NaN block's q are 0
+  const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(keep_any ? -1 : 0));  // a NaN block's q are 0
   __m256i total = _mm256_setzero_si256();
   for (int v = 0; v < G / 16; ++v) {
     const __m256i a = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + v * 16), inv), keep));
@@ -241,14 +283,10 @@ void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* sh
     const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + v * 16), bytes);
   }
-  if (sum != nullptr || shift != nullptr) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    const int32_t whole = _mm_cvtsi128_si32(t);
-    if (sum != nullptr) *sum = *d * static_cast<float>(whole);
-    if (shift != nullptr) *shift = offset * whole;
-  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
 }
 
 bool vectorized() { return true; }
@@ -305,6 +343,15 @@ inline VecF int8_floats(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline VecF to_floats(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecI int8_ints(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecI add_ints(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI mul_ints(VecI a, VecI b) { return _mm512_mullo_epi32(a, b); }
+// each lane's two int16s: low * low + high * high (exact in int32)
+inline VecI madd_pairs(VecI a, int32_t b) { return _mm512_madd_epi16(a, _mm512_set1_epi32(b)); }
+// int32 lanes in int16 range, two to a lane: low | high << 16
+inline VecI pair_ints(VecI low, VecI high) {
+  return _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(high, 16));
+}
 inline VecF half_floats(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
@@ -353,6 +400,13 @@ inline VecF int8_floats(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline VecF to_floats(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecI int8_ints(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VecI add_ints(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI mul_ints(VecI a, VecI b) { return _mm256_mullo_epi32(a, b); }
+inline VecI madd_pairs(VecI a, int32_t b) { return _mm256_madd_epi16(a, _mm256_set1_epi32(b)); }
+inline VecI pair_ints(VecI low, VecI high) {
+  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(high, 16));
+}
 inline VecF half_floats(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
@@ -448,22 +502,59 @@ inline void decode_load(const uint8_t* bytes, const uint8_t* top, int64_t slice,
   }
 }
 
+// one group's exact integer dot products for rows [row, row + R) against panel p's outputs, slice `slice`
+// (kLanes outputs a vector): dot_scalar's isum, the offset (shifts) included
+template <int R, int G, bool kFour, int kNib>
+struct GroupSums {
+  static constexpr int kLoads = kFour ? G / 8 : G / 4;  // 64-byte loads a group
+  static constexpr int kQuads = kFour ? 2 : 1;           // vectors of 4 inputs a lane, a load
+  static constexpr int kInputs = kFour ? 8 : 4;          // inputs a load
+  static constexpr int64_t kStride = kNib == kSix ? kSixLoadBytes : kLoadBytes;  // bytes from one load to the next
+  static constexpr bool kSignedCodes = !kFour || kNib == kLookup;  // 8-bit codes, and a table's entries
+  static constexpr bool kShifts = kSignedCodes ? kBiasedSigned : kNib != kPlain;  // the integers' offset as a sum of q
+  static constexpr bool kSignedDot = kSignedCodes && !kBiasedSigned;
+
+  static VecI table(const Weight& wt) {  // the table as the dot product takes it (4-bit codes looked up)
+    if constexpr (kFour && kNib == kLookup) {
+      return kBiasedSigned ? xor_bytes(table_of(wt.table), splat_bytes(-128)) : table_of(wt.table);
+    }
+    return zero_int();
+  }
+
+  // group g: codes the panel's first group, xq and shift row's (shift nullptr without kShifts), k and groups a.k, a.groups
+  __attribute__((always_inline)) static inline void group(const uint8_t* codes, int64_t slice, VecI table, const int8_t* xq,
+                                                          const int32_t* shift, int64_t k, int64_t groups, int64_t g,
+                                                          VecI* isum) {
+    const uint8_t* group = codes + g * kLoads * kStride;
+    for (int r = 0; r < R; ++r) isum[r] = kShifts ? splat_int(shift[r * groups + g]) : zero_int();
+    for (int j = 0; j < kLoads; ++j) {
+      const uint8_t* load = group + j * kStride;
+      _mm_prefetch(reinterpret_cast<const char*>(load + kPrefetchBytes), _MM_HINT_T0);
+      if constexpr (kNib == kSix) _mm_prefetch(reinterpret_cast<const char*>(load + kLoadBytes + kPrefetchBytes), _MM_HINT_T0);
+      VecI quads[kQuads];
+      decode_load<kFour, kNib>(load + slice * (kLoadBytes / kSlices), load + kLoadBytes, slice, table, quads);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * k + g * G + j * kInputs;
+        for (int q = 0; q < kQuads; ++q) {
+          int32_t four;  // inputs 4q .. 4q + 3 of this load, in the order of the weights' bytes in a lane
+          std::memcpy(&four, x + 4 * q, 4);
+          isum[r] = kSignedDot ? dot_quads_signed(isum[r], quads[q], four) : dot_quads(isum[r], quads[q], four);
+        }
+      }
+    }
+  }
+};
+
 // rows [row, row + R) against panel p's outputs, slice `slice` (kLanes outputs) -> out[r * ldo + o]:
-// dot_scalar's integers and float steps, kLanes outputs a vector
+// dot_scalar's integers and float steps, kLanes outputs a vector (per-group scales)
 template <int R, int G, bool kFour, bool kZero, int kNib>
 void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a, int64_t row, float* out, int64_t ldo) {
-  constexpr int kLoads = kFour ? G / 8 : G / 4;  // 64-byte loads a group
-  constexpr int kQuads = kFour ? 2 : 1;           // vectors of 4 inputs a lane, a load
-  constexpr int kInputs = kFour ? 8 : 4;          // inputs a load
-  constexpr int64_t kStride = kNib == kSix ? kSixLoadBytes : kLoadBytes;  // bytes from one load to the next
-  constexpr bool kSignedCodes = !kFour || kNib == kLookup;  // 8-bit codes, and a table's entries
-  constexpr bool kShifts = kSignedCodes ? kBiasedSigned : kNib != kPlain;  // the integers' offset as a sum of q
-  constexpr bool kSignedDot = kSignedCodes && !kBiasedSigned;
-  VecI table = zero_int();
-  if constexpr (kFour && kNib == kLookup) table = kBiasedSigned ? xor_bytes(table_of(wt.table), splat_bytes(-128)) : table_of(wt.table);
+  using Sums = GroupSums<R, G, kFour, kNib>;
+  const VecI table = Sums::table(wt);
   const uint8_t* codes = wt.panel_group(p, 0);
   const int8_t* xq = a.q + row * a.k;
-  const float* xd = a.d + row * a.groups;
+  const int32_t* shift = a.shift != nullptr ? a.shift + row * a.groups : nullptr;
+  const float* xd = a.d + row * a.groups;  // per-group scales: a block of activations a group (spans == groups)
   const int64_t groups = wt.groups;
   VecF acc[R][8];
   for (int r = 0; r < R; ++r) {
@@ -475,27 +566,11 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
     for (int l = 0; l < 8; ++l) {
       const int64_t g = g0 + l;
       if (g >= groups) continue;  // the last run's missing groups (the unrolled body keeps its lanes in registers)
-      const uint8_t* group = codes + g * kLoads * kStride;
       _mm_prefetch(static_cast<const char*>(scales.ahead(8)), _MM_HINT_T0);
       VecI isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = kShifts ? splat_int(a.shift[(row + r) * a.groups + g]) : zero_int();
-      for (int j = 0; j < kLoads; ++j) {
-        const uint8_t* load = group + j * kStride;
-        _mm_prefetch(reinterpret_cast<const char*>(load + kPrefetchBytes), _MM_HINT_T0);
-        if constexpr (kNib == kSix) _mm_prefetch(reinterpret_cast<const char*>(load + kLoadBytes + kPrefetchBytes), _MM_HINT_T0);
-        VecI quads[kQuads];
-        decode_load<kFour, kNib>(load + slice * (kLoadBytes / kSlices), load + kLoadBytes, slice, table, quads);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq + r * a.k + g * G + j * kInputs;
-          for (int q = 0; q < kQuads; ++q) {
-            int32_t four;  // inputs 4q .. 4q + 3 of this load, in the order of the weights' bytes in a lane
-            std::memcpy(&four, x + 4 * q, 4);
-            isum[r] = kSignedDot ? dot_quads_signed(isum[r], quads[q], four) : dot_quads(isum[r], quads[q], four);
-          }
-        }
-      }
+      Sums::group(codes, slice, table, xq, shift, a.k, groups, g, isum);
       const VecF s = scales.next();
-      for (int r = 0; r < R; ++r) acc[r][l] = fma(to_floats(isum[r]), mul(s, splat_float(xd[r * a.groups + g])), acc[r][l]);
+      for (int r = 0; r < R; ++r) acc[r][l] = fma(to_floats(isum[r]), mul(s, splat_float(xd[r * groups + g])), acc[r][l]);
     }
   }
   VecF total[R];
@@ -520,30 +595,119 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
   for (int r = 0; r < R; ++r) store_floats(out + r * ldo + slice * kLanes, total[r]);
 }
 
+// a factored form's ints (as int32 lanes, group after group) and units, for the kLanes outputs of one slice
+class UnitWalk {
+ public:
+  UnitWalk(const GroupScales& s, int64_t panel, int64_t slice)
+      : ints_(s.ints + panel * s.groups * kPanel + slice * kLanes),
+        units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
+        half_units_(s.half_units != nullptr ? s.half_units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes
+                                            : nullptr) {}
+
+  VecI next_ints() {
+    const VecI v = int8_ints(ints_);
+    ints_ += kPanel;
+    return v;
+  }
+  VecF next_unit() {
+    if (units_ != nullptr) {
+      const VecF u = load_floats(units_);
+      units_ += kPanel;
+      return u;
+    }
+    const VecF u = half_floats(half_units_);
+    half_units_ += kPanel;
+    return u;
+  }
+
+ private:
+  const int8_t* ints_;
+  const float* units_;
+  const uint16_t* half_units_;
+};
+
+// dot_panel for factored scales (Weight::units): per unit, the groups' integers times their ints summed in
+// int32, then one float step into the lane of the unit's number mod 8 (the zeros likewise, from pairs of
+// groups' sums of q)
+template <int R, int G, bool kFour, bool kZero, int kNib>
+void dot_panel_units(const Weight& wt, int64_t p, int64_t slice, const Activations& a, int64_t row, float* out,
+                     int64_t ldo) {
+  using Sums = GroupSums<R, G, kFour, kNib>;
+  const VecI table = Sums::table(wt);
+  const uint8_t* codes = wt.panel_group(p, 0);
+  const int8_t* xq = a.q + row * a.k;
+  const int32_t* shift = a.shift != nullptr ? a.shift + row * a.groups : nullptr;
+  const float* xd = a.d + row * a.spans;
+  const int64_t per = wt.scale.per_unit, groups = wt.groups;
+  VecF acc[R][8];
+  for (int r = 0; r < R; ++r) {
+    for (int l = 0; l < 8; ++l) acc[r][l] = zero_float();
+  }
+  UnitWalk scales(wt.scale, p, slice);
+  for (int64_t u = 0; u < a.spans; ++u) {
+    VecI scaled[R];
+    for (int r = 0; r < R; ++r) scaled[r] = zero_int();
+    for (int64_t g = u * per; g < (u + 1) * per; ++g) {
+      VecI isum[R];
+      Sums::group(codes, slice, table, xq, shift, a.k, groups, g, isum);
+      const VecI ints = scales.next_ints();
+      for (int r = 0; r < R; ++r) scaled[r] = add_ints(scaled[r], mul_ints(isum[r], ints));
+    }
+    const VecF unit = scales.next_unit();
+    for (int r = 0; r < R; ++r) acc[r][u & 7] = fma(to_floats(scaled[r]), mul(unit, splat_float(xd[r * a.spans + u])), acc[r][u & 7]);
+  }
+  VecF total[R];
+  for (int r = 0; r < R; ++r) total[r] = reduce_tree(acc[r]);
+  if constexpr (kZero) {
+    UnitWalk zeros(wt.zero, p, slice);
+    const int32_t* pairs = a.pairs + row * (a.groups / 2);
+    for (int r = 0; r < R; ++r) {
+      for (int l = 0; l < 8; ++l) acc[r][l] = zero_float();
+    }
+    for (int64_t u = 0; u < a.spans; ++u) {
+      VecI zeroed[R];
+      for (int r = 0; r < R; ++r) zeroed[r] = zero_int();
+      for (int64_t g = u * per; g < (u + 1) * per; g += 2) {
+        const VecI low = zeros.next_ints();
+        const VecI both = pair_ints(low, zeros.next_ints());
+        for (int r = 0; r < R; ++r) zeroed[r] = add_ints(zeroed[r], madd_pairs(both, pairs[r * (a.groups / 2) + g / 2]));
+      }
+      const VecF unit = zeros.next_unit();
+      for (int r = 0; r < R; ++r) acc[r][u & 7] = fma(to_floats(zeroed[r]), mul(unit, splat_float(xd[r * a.spans + u])), acc[r][u & 7]);
+    }
+    for (int r = 0; r < R; ++r) total[r] = add(total[r], reduce_tree(acc[r]));
+  }
+  for (int r = 0; r < R; ++r) store_floats(out + r * ldo + slice * kLanes, total[r]);
+}
+
 constexpr bool kPanelLoops = true;
 
 #else  // portable: the scalar loop only
 
-template <int G>
-void quantize_block(const float* x, int8_t* q, float* d, float* sum, int32_t* shift, int32_t offset) {
+// the largest |x| of n inputs, and whether all are finite
+inline float block_amax(const float* x, int64_t n, bool* finite) {
   float amax = 0.0f;
-  bool finite = true;
-  for (int i = 0; i < G; ++i) {
+  bool all = true;
+  for (int64_t i = 0; i < n; ++i) {
     const float a = __builtin_fabsf(x[i]);
-    finite = finite && a <= __FLT_MAX__;
+    all = all && a <= __FLT_MAX__;
     amax = a > amax ? a : amax;
   }
-  float inverse;
-  block_scale(amax, finite, d, &inverse);
+  *finite = all;
+  return amax;
+}
+
+// G inputs times `inverse` rounded to int8 (to nearest even) at q; the sum of their q
+template <int G>
+inline int32_t round_group(const float* x, float inverse, bool keep_any, int8_t* q) {
   int32_t total = 0;
   for (int i = 0; i < G; ++i) {
-    const float scaled = finite ? x[i] * inverse : 0.0f;  // a NaN block's q are 0
+    const float scaled = keep_any ? x[i] * inverse : 0.0f;  // a NaN block's q are 0
     const int32_t v = std::clamp(static_cast<int32_t>(__builtin_nearbyintf(scaled)), -127, 127);
     q[i] = static_cast<int8_t>(v);
     total += v;
   }
-  if (sum != nullptr) *sum = *d * static_cast<float>(total);
-  if (shift != nullptr) *shift = offset * total;
+  return total;
 }
 
 bool vectorized() { return false; }
@@ -552,35 +716,66 @@ constexpr int64_t kSlices = 1;
 constexpr bool kPanelLoops = false;
 constexpr bool kBiasedSigned = false;
 
-template <int R, int G, bool kFour, bool kZero, int kNib>  // never called: the panel loop is the vector builds'
+template <int R, int G, bool kFour, bool kZero, int kNib>  // never called: the panel loops are the vector builds'
 void dot_panel(const Weight&, int64_t, int64_t, const Activations&, int64_t, float*, int64_t) {}
+template <int R, int G, bool kFour, bool kZero, int kNib>
+void dot_panel_units(const Weight&, int64_t, int64_t, const Activations&, int64_t, float*, int64_t) {}
 
 #endif
 
-// x float32 [M, K] -> its int8 blocks (and their sums when the weight has a zero term, and the
-// shifts when the panel loop adds an offset: panel_shifts)
+// where a call's activation rounding puts each block's integers: per block of `span` inputs (G, or a factored
+// weight's unit span) one d; per group of G the sum of its q as d * sum (sum: the per-group zero term), as
+// offset * sum (shift: panel_shifts) and paired, (sum of group 2i) | (sum of group 2i + 1) << 16 as int16s
+// (pairs: the unit arithmetic's zero term); each nullptr where the call needs none
+struct Rounding {
+  int64_t span;
+  float* d;        // [M][K / span]
+  float* sum;      // [M][groups]
+  int32_t* shift;  // [M][groups]
+  int32_t* pairs;  // [M][groups / 2]
+  int32_t offset;
+};
+
+// one span of inputs at x (a multiple of G) rounded to int8 at q with one d: Rounding's values for row r's span s
 template <int G>
-void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* sum, int32_t* shift = nullptr,
-                   int32_t offset = 0) {
-  const int64_t groups = k / G;
+void quantize_span(const float* x, int8_t* q, const Rounding& to, int64_t groups, int64_t r, int64_t s) {
+  bool finite;
+  const float amax = to.span == G ? block_amax(x, G, &finite) : block_amax(x, to.span, &finite);  // G: unrolled
+  float* d = to.d + r * (groups * G / to.span) + s;
+  float inverse;
+  block_scale(amax, finite, d, &inverse);
+  const bool keep = *d == *d;
+  const int64_t per_span = to.span / G, first = s * per_span;
+  for (int64_t i = 0; i < per_span; ++i) {
+    const int64_t g = first + i;
+    const int32_t total = round_group<G>(x + i * G, inverse, keep, q + i * G);
+    if (to.sum != nullptr) to.sum[r * groups + g] = *d * static_cast<float>(total);
+    if (to.shift != nullptr) to.shift[r * groups + g] = to.offset * total;
+    if (to.pairs != nullptr) {
+      const uint32_t half = static_cast<uint32_t>(total) & 0xFFFFu;
+      uint32_t* pair = reinterpret_cast<uint32_t*>(to.pairs + r * (groups / 2) + g / 2);
+      *pair = (g & 1) ? (*pair | half << 16) : half;
+    }
+  }
+}
+
+// x float32 [M, K] -> its int8 blocks, and what else `to` asks for
+template <int G>
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, const Rounding& to) {
+  const int64_t groups = k / G, spans = k / to.span;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        quantize_block<G>(x + r * k + g * G, q + r * k + g * G, d + r * groups + g,
-                          sum != nullptr ? sum + r * groups + g : nullptr,
-                          shift != nullptr ? shift + r * groups + g : nullptr, offset);
-      }
+      for (int64_t s = 0; s < spans; ++s) quantize_span<G>(x + r * k + s * to.span, q + r * k + s * to.span, to, groups, r, s);
     }
   });
 }
 
 // quantize_rows for the group size of the call (32, or 16: 8- and 6-bit codes)
-void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* sum,
-                  int32_t* shift = nullptr, int32_t offset = 0) {
+void quantize_for(int64_t group, const float* x, int64_t m, int64_t k, int8_t* q, const Rounding& to) {
   if (group == 32) {
-    quantize_rows<32>(x, m, k, q, d, sum, shift, offset);
+    quantize_rows<32>(x, m, k, q, to);
   } else {
-    quantize_rows<16>(x, m, k, q, d, sum, shift, offset);
+    quantize_rows<16>(x, m, k, q, to);
   }
 }
 
@@ -645,7 +840,11 @@ struct MatmulKernel {
           for (int64_t slice = 0; slice < kSlices; ++slice) {
             row_blocks(row0, rows_end, [&](auto rows, int64_t r) {
               constexpr int R = decltype(rows)::value;
-              dot_panel<R, G, kFour, kZero, kNib>(wt, p, slice, a, r, out + r * n + p * kPanel, n);
+              if (wt.units) {
+                dot_panel_units<R, G, kFour, kZero, kNib>(wt, p, slice, a, r, out + r * n + p * kPanel, n);
+              } else {
+                dot_panel<R, G, kFour, kZero, kNib>(wt, p, slice, a, r, out + r * n + p * kPanel, n);
+              }
             });
           }
         }
@@ -740,22 +939,23 @@ Weight check_weight(const torch::Tensor& codes, const torch::Tensor& scale, cons
     if (consecutive) decode = t[0] == 0 ? kPlain : kShifted;
   }
   if (six && vectorized()) decode = kSix;
+  // the unit arithmetic: factored scales, zeros none or factored alike, a unit's span within kMaxUnitSpan
+  const bool units = scales.ints != nullptr && scales.per_unit * group <= kMaxUnitSpan &&
+                     (!zeros.present() || (zeros.ints != nullptr && zeros.per_unit == scales.per_unit));
   return Weight{static_cast<const uint8_t*>(codes.data_ptr()), scales, zeros, groups, group, group_bytes, panel,
-                four ? table.data_ptr<int8_t>() : nullptr, six, decode};
+                four ? table.data_ptr<int8_t>() : nullptr, six, decode, units};
 }
 
-// x's int8 blocks (q int8 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group, bool with_sum) {
+// x's int8 blocks of `span` inputs (a multiple of 16): q int8 [M, K], d float32 [M, K / span]
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t span) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(group == 16 || group == 32, "activation blocks of 16 or 32");
+  TORCH_CHECK(span > 0 && span % 16 == 0, "activation blocks of a multiple of 16 inputs");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group ", group);
+  TORCH_CHECK(k % span == 0, "K = ", k, " is not a multiple of the block ", span);
   auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
-  auto d = torch::empty({m, k / group}, x.options());
-  auto sum = with_sum ? torch::empty({m, k / group}, x.options()) : torch::empty({0}, x.options());
-  quantize_for(group, x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-               with_sum ? sum.data_ptr<float>() : nullptr);
-  return {q, d, sum};
+  auto d = torch::empty({m, k / span}, x.options());
+  quantize_for(16, x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), Rounding{span, d.data_ptr<float>(), nullptr, nullptr, nullptr, 0});
+  return {q, d};
 }
 
 // whether the panel loop adds an offset to its integers as a sum of q (dot_panel's kShifts), and which:
@@ -784,12 +984,14 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t groups = k / group;
   int32_t offset = 0;
   const bool shifted = panel_shifts(wt, &offset);
+  const int64_t spans = k / wt.span();
   std::unique_ptr<int8_t[]> q(new int8_t[m * k]);
-  std::unique_ptr<float[]> d(new float[m * groups]);
-  std::unique_ptr<float[]> sum(wt.has_zero() ? new float[m * groups] : nullptr);
+  std::unique_ptr<float[]> d(new float[m * spans]);
+  std::unique_ptr<float[]> sum(wt.has_zero() && !wt.units ? new float[m * groups] : nullptr);
+  std::unique_ptr<int32_t[]> pairs(wt.has_zero() && wt.units ? new int32_t[m * groups / 2] : nullptr);
   std::unique_ptr<int32_t[]> shift(shifted ? new int32_t[m * groups] : nullptr);
-  quantize_for(group, x.data_ptr<float>(), m, k, q.get(), d.get(), sum.get(), shift.get(), offset);
-  const Activations a{q.get(), d.get(), sum.get(), shift.get(), k, groups};
+  quantize_for(group, x.data_ptr<float>(), m, k, q.get(), Rounding{wt.span(), d.get(), sum.get(), shift.get(), pairs.get(), offset});
+  const Activations a{q.get(), d.get(), sum.get(), shift.get(), pairs.get(), k, groups, spans};
   dispatch<MatmulKernel>(wt.four() || wt.six, group, wt.has_zero(), wt, a, m, out.data_ptr<float>(), n);
   return out;
 }
@@ -833,7 +1035,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_matmul", &grouped_matmul, kReleaseGil,
         "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU), x rounded to int8 per group");
   m.def("quantize_activations", &quantize_activations, kReleaseGil,
-        "x float32 [M, K] -> (q int8 [M, K], d float32 [M, K / group], sum float32 [M, K / group] or empty)");
+        "x float32 [M, K] -> (q int8 [M, K], d float32 [M, K / span]): its int8 blocks of span inputs");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
   m.def("grouped_rows", &grouped_rows, kReleaseGil, "rows ids [R] of a grouped weight as float32 [R, K] (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the vector loops (AVX2, FMA and F16C; AVX-512 where present)");

@@ -59,25 +59,25 @@ def _bound(in_features, group):
     return (in_features / group + 6) * 2**-24
 
 
-def _magnitude(x, weight):
-    """float64 [M, N]: |xr| @ |q d|.T + |xr| @ |zero|.T, xr the activations as the kernel rounds them."""
+def _magnitude(x, weight, span=None):
+    """float64 [M, N]: |xr| @ |q d|.T + |xr| @ |zero|.T, xr the activations as the kernel rounds them (blocks of
+    `span` inputs: the weight's own by default)."""
     codes, scale, zero, table = weight
     group = x.shape[1] // scale.shape[1]
-    rounded = grouped_matmul.rounded_activations(x, group).abs()
+    rounded = grouped_matmul.rounded_activations(x, span or grouped_matmul.activation_span(*weight[:3])).abs()
     values = grouped_matmul.grouped_values(codes, scale, None, table, dtype=torch.float64).abs()
     if zero is not None:
         values = values + zero.double().abs().repeat_interleave(group, dim=1)
     return rounded @ values.T
 
 
-def _error_ratio(out, x, weight):
-    """max |out - ref| / magnitude over the outputs, ref = (x rounded as the kernel does) @ W.T in float64:
-    within _bound(K, G) when correct."""
-    codes, scale, zero, table = weight
-    group = x.shape[1] // scale.shape[1]
-    ref = grouped_matmul.rounded_activations(x, group) @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).T
+def _error_ratio(out, x, weight, span=None):
+    """max |out - ref| / magnitude over the outputs, ref = (x rounded as the kernel does, in blocks of `span`:
+    the weight's own by default) @ W.T in float64: within _bound(K, G) when correct."""
+    span = span or grouped_matmul.activation_span(*weight[:3])
+    ref = grouped_matmul.rounded_activations(x, span) @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).T
     assert out.shape == ref.shape and out.dtype == torch.float32
-    return float(((out.double() - ref).abs() / _magnitude(x, weight)).max())
+    return float(((out.double() - ref).abs() / _magnitude(x, weight, span)).max())
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "x".join(map(str, k)))
@@ -270,35 +270,55 @@ FACTORED_KINDS = [(48, 512, "q4_1", 32, True, 8), (37, 512, "q4_1", 32, True, 8)
 
 
 @pytest.mark.parametrize("kind", FACTORED_KINDS, ids=lambda k: "x".join(map(str, k)))
-def test_factored_scales_give_the_float_scales_bits(kind):
+def test_factored_scales_take_the_unit_arithmetic_in_every_form(kind):
     """int8 scales and zeros times a unit per run of groups, the unit float32 or (narrowed, as a file's f16 d)
-    float16, are the same floats (the product is exact), so every loop (one row, row blocks, the panel
-    layout, the plain build, the unpack, the torch path) gives the float form's bits, and stays within the
-    float64 bound."""
+    float16: the values are the float form's (the product is exact: the unpack, the torch path); the kernel rounds
+    the activations per unit span (Q4_K's and Q6_K's 256) and sums each unit's groups in int32 before one float
+    step, and every loop (one row, row blocks, the panel layout, the plain build) gives the same bits, within the
+    float64 bound of (x rounded per span) @ W.T, and not the per-group form's arithmetic."""
     factored, floats = _factored(*kind, seed=41)
+    span = kind[3] * kind[5]
+    assert grouped_matmul.activation_span(*factored[:3]) == span and grouped_matmul.activation_span(*floats[:3]) == kind[3]
     half = (factored[0], grouped_matmul.narrowed(factored[1]), grouped_matmul.narrowed(factored[2]), factored[3])
     assert half[1].units.dtype == torch.float16 and half[1].nbytes() < factored[1].nbytes()
-    layouts = [(factored, floats), (half, floats)]
+    forms = [factored, half]
     if kind[0] % grouped_matmul.PANEL == 0:
-        for form in (factored, half):
-            layouts.append(((*grouped_matmul.to_panels(*form[:3]), form[3]),
-                            (*grouped_matmul.to_panels(*floats[:3]), floats[3])))
-    for weight, twin in layouts:
-        assert torch.equal(grouped_matmul.grouped_values(*weight), grouped_matmul.grouped_values(*twin))
-        for rows in (1, 2, 5, 9, 17):
-            x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 2))
-            out = grouped_matmul.grouped_matmul(x, *weight)
-            assert torch.equal(out, grouped_matmul.grouped_matmul(x, *twin))
+        forms += [(*grouped_matmul.to_panels(*form[:3]), form[3]) for form in (factored, half)]
+    for rows in (1, 2, 5, 9, 17):
+        x = torch.randn(rows, kind[1], generator=torch.Generator().manual_seed(rows + 2))
+        out = grouped_matmul.grouped_matmul(x, *factored)
+        for weight in forms:
+            assert torch.equal(grouped_matmul.grouped_matmul(x, *weight), out)
             assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, portable=True), out)
-            assert _error_ratio(out, x, floats) <= _bound(kind[1], kind[3])
-        assert torch.equal(grouped_matmul.grouped_unpack(*weight, 1, kind[0]),
-                           grouped_matmul.grouped_values(*floats)[1:])
+        assert _error_ratio(out, x, floats, span) <= _bound(kind[1], kind[3])
+        assert _error_ratio(grouped_matmul.grouped_matmul(x, *floats), x, floats, span) > 10 * _bound(kind[1], kind[3])
+    for weight in forms:
+        assert torch.equal(grouped_matmul.grouped_values(*weight), grouped_matmul.grouped_values(*floats))
+        assert torch.equal(grouped_matmul.grouped_unpack(*weight, 1, kind[0]), grouped_matmul.grouped_values(*floats)[1:])
         x = torch.randn(3, kind[1])
-        assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *weight), grouped_matmul.grouped_matmul_torch(x, *twin))
+        assert torch.equal(grouped_matmul.grouped_matmul_torch(x, *weight), grouped_matmul.grouped_matmul_torch(x, *floats))
     ids = [3, 0, kind[0] - 1, 3]
-    picked = grouped_matmul.select_rows(*layouts[-1][0][:3], torch.tensor(ids))
+    picked = grouped_matmul.select_rows(*forms[-1][:3], torch.tensor(ids))
     assert torch.equal(picked[1].floats(), floats[1][ids])
     assert (picked[2] is None) if floats[2] is None else torch.equal(picked[2].floats(), floats[2][ids])
+
+
+def test_a_unit_sum_at_its_largest_stays_exact():
+    """The unit arithmetic's int32 sum at its limit: 1024 inputs (32 groups of 32) of code -128, int -128, q 127,
+    2^31 - 2^24 in all, stays within the float64 bound in both builds (an overflow would flip its sign); a span
+    past 1024 takes the per-group arithmetic."""
+    codes = torch.full((16, 1024), -128, dtype=torch.int8)
+    scale = grouped_matmul.factor(torch.full((16, 32), -128), torch.full((16, 1), 2.0**-10))
+    zero = grouped_matmul.factor(torch.full((16, 32), -128), torch.full((16, 1), 2.0**-12))
+    x = torch.full((2, 1024), 3.0)
+    for weight in ((codes, scale, zero, None), (*grouped_matmul.to_panels(codes, scale, zero), None)):
+        assert grouped_matmul.activation_span(*weight[:3]) == 1024
+        out = grouped_matmul.grouped_matmul(x, *weight)
+        twin = (codes, scale.floats(), zero.floats(), None)
+        assert _error_ratio(out, x, twin, 1024) <= _bound(1024, 32) and float(out[0, 0]) > 49000  # 1024 * 3 * 15.97
+        assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, portable=True), out)
+    wide = grouped_matmul.factor(torch.full((16, 64), 1), torch.ones(16, 1))
+    assert grouped_matmul.activation_span(torch.zeros(16, 2048, dtype=torch.int8), wide, None) == 32
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512vnni",)], ids=["avx2", "avx512-without-vnni"])
@@ -388,17 +408,17 @@ def test_one_wrong_factored_int_or_unit_fails_the_check():
     (codes, scale, zero, table), floats = _factored(48, 512, "q4_1", 32, True, 8, seed=43)
     panel_codes, panel_scale, panel_zero = grouped_matmul.to_panels(codes, scale, zero)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(47))
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, panel_zero, table), x, floats) <= \
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, panel_zero, table), x, floats, 256) <= \
         _bound(512, 32)
     ints = panel_scale.ints.clone()
     ints[0, 5, 11] += 1  # output 11's group 5: its sc one step off
     wrong = grouped_matmul.Factored(ints, panel_scale.units)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, wrong, panel_zero, table), x, floats) > \
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, wrong, panel_zero, table), x, floats, 256) > \
         10 * _bound(512, 32)
     units = panel_zero.units.clone()
     units[1, 1, 7] *= 1.125  # output 23's second unit of zeros (dmin) off by an eighth
     wrong = grouped_matmul.Factored(panel_zero.ints, units)
-    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, wrong, table), x, floats) > \
+    assert _error_ratio(grouped_matmul.grouped_matmul(x, panel_codes, panel_scale, wrong, table), x, floats, 256) > \
         10 * _bound(512, 32)
 
 

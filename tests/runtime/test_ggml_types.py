@@ -5,7 +5,8 @@ the greedy tokens of the same file dequantized to float32 ("none") up to near-ti
 activations against float32), and the load log names each type's form.
 
 Matmul bound: the grouped weights are the file's float32 values exactly and x is rounded to the kernel's
-int8 blocks (kernels/grouped_matmul.rounded_activations), so the only error is float32 arithmetic
+int8 blocks (kernels/grouped_matmul.rounded_activations: per group, or per unit of 256 for the K-quants'
+factored scales), so the only error is float32 arithmetic
 (tests/kernels/test_grouped_matmul.py derives it): (K / G + 6) * 2^-24 of |x| @ (|W - zero| + |zero|).T
 per output, plus the bias's addition (2^-24 of |ref|); a bfloat16 result adds its rounding, 2^-8 of |ref|.
 """
@@ -66,8 +67,8 @@ def test_groups_hold_the_file_values(type_name):
 def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
     """out within float32 arithmetic of x @ W.T (+ bias) in float64, x rounded to the kernel's int8
     blocks when `rounded` (the C++ kernel; the torch path multiplies x as it is)."""
-    group = weight.group
-    inputs = grouped_matmul.rounded_activations(x, group) if rounded else x.double()
+    group, span = weight.group, grouped_matmul.activation_span(weight.codes, weight.scale, weight.zero)
+    inputs = grouped_matmul.rounded_activations(x, span) if rounded else x.double()  # K-quants: a block a unit
     ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
     cut = lambda values: values[:weight.out_features]  # noqa: E731  (outputs padded to a multiple of 16 dropped)
     codes, scale, zero = grouped_matmul.to_rows(weight.codes, weight.scale, weight.zero)

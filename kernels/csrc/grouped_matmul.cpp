@@ -339,9 +339,6 @@ inline VecI dot_quads_signed(VecI acc, VecI w, int32_t x) {  // |w| against x si
 inline VecF zero_float() { return _mm512_setzero_ps(); }
 inline VecF splat_float(float v) { return _mm512_set1_ps(v); }
 inline VecF load_floats(const float* p) { return _mm512_loadu_ps(p); }
-inline VecF int8_floats(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline VecF to_floats(VecI v) { return _mm512_cvtepi32_ps(v); }
 inline VecI int8_ints(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecI add_ints(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
@@ -396,9 +393,6 @@ inline VecI dot_quads_signed(VecI acc, VecI w, int32_t x) {  // |w| against x si
 inline VecF zero_float() { return _mm256_setzero_ps(); }
 inline VecF splat_float(float v) { return _mm256_set1_ps(v); }
 inline VecF load_floats(const float* p) { return _mm256_loadu_ps(p); }
-inline VecF int8_floats(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 inline VecF to_floats(VecI v) { return _mm256_cvtepi32_ps(v); }
 inline VecI int8_ints(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline VecI add_ints(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
@@ -415,6 +409,8 @@ inline void store_floats(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 #endif
 
 constexpr int64_t kSlices = kPanel / kLanes;  // vectors of outputs a panel: 1 (AVX-512) or 2 (AVX2)
+
+inline VecF int8_floats(const int8_t* p) { return to_floats(int8_ints(p)); }  // kLanes int8s as floats
 
 // reduce_lanes for kLanes outputs at once (the same tree, so each output's bits)
 inline VecF reduce_tree(const VecF* a) { return add(add(add(a[0], a[4]), add(a[2], a[6])), add(add(a[1], a[5]), add(a[3], a[7]))); }

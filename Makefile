@@ -37,7 +37,7 @@ generate: $(STAMP)
 	$(VENV)/bin/pagedserve generate --model $(MODEL) --max-tokens 120 "$(PROMPT)"
 
 test: system-deps $(STAMP)
-	$(PY) -c "import kernels; print('C++ CPU kernels:', kernels.prepare_cpu_kernels())"  # built once per machine (~1 min), before servers start under test timeouts
+	$(PY) -m tests.kernels.prebuild  # the C++ kernels, built once per machine (a few minutes, two at a time), before servers start under test timeouts
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -348,19 +348,11 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scale: Scales, zero: Sc
     return kernel_call(codes, scale, zero, table, portable)(x)
 
 
-MAX_UNIT_SPAN = 1024  # the unit arithmetic's largest span (kMaxUnitSpan: a unit's int32 sum cannot overflow)
-
-
-def activation_span(codes: torch.Tensor, scale: Scales, zero: Scales | None) -> int:
-    """Inputs to one block of the kernel's int8 activations for this weight: G, or a factored weight's unit span
-    (P G, Q4_K's and Q6_K's 256) where the kernel does the unit arithmetic (kernels/csrc/grouped_matmul.cpp):
-    scales factored, zeros none or factored with the same units, the span at most MAX_UNIT_SPAN."""
-    group = _group(codes, scale)
-    if not isinstance(scale, Factored) or scale.per_unit * group > MAX_UNIT_SPAN:
-        return group
-    if zero is not None and not (isinstance(zero, Factored) and zero.per_unit == scale.per_unit):
-        return group
-    return scale.per_unit * group
+def activation_span(codes: torch.Tensor, scale: Scales, zero: Scales | None, table: torch.Tensor | None) -> int:
+    """Inputs to one block of the C++ kernel's int8 activations for this weight, as the kernel decides it (needs
+    `available()`): G, or a factored weight's unit span (P G, Q4_K's and Q6_K's 256) where it does the unit
+    arithmetic (scales factored, zeros none or factored with the same units, the span at most 1,024)."""
+    return _extension().activation_span(*kernel_arguments(codes, scale, zero, table))
 
 
 def quantize_activations(x: torch.Tensor, span: int, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -410,10 +410,41 @@ inline void store_floats(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 
 constexpr int64_t kSlices = kPanel / kLanes;  // vectors of outputs a panel: 1 (AVX-512) or 2 (AVX2)
 
-inline VecF int8_floats(const int8_t* p) { return to_floats(int8_ints(p)); }  // kLanes int8s as floats
-
 // reduce_lanes for kLanes outputs at once (the same tree, so each output's bits)
 inline VecF reduce_tree(const VecF* a) { return add(add(add(a[0], a[4]), add(a[2], a[6])), add(add(a[1], a[5]), add(a[3], a[7]))); }
+
+// a factored form's ints (as int32 lanes, group after group) and units, for the kLanes outputs of one slice
+// (a form that is not factored: nothing to walk)
+class UnitWalk {
+ public:
+  UnitWalk(const GroupScales& s, int64_t panel, int64_t slice)
+      : ints_(s.ints != nullptr ? s.ints + panel * s.groups * kPanel + slice * kLanes : nullptr),
+        units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
+        half_units_(s.half_units != nullptr ? s.half_units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes
+                                            : nullptr) {}
+
+  VecI next_ints() {
+    const VecI v = int8_ints(ints_);
+    ints_ += kPanel;
+    return v;
+  }
+  VecF next_unit() {  // float32 or float16
+    if (units_ != nullptr) {
+      const VecF u = load_floats(units_);
+      units_ += kPanel;
+      return u;
+    }
+    const VecF u = half_floats(half_units_);
+    half_units_ += kPanel;
+    return u;
+  }
+  const int8_t* ahead(int64_t groups) const { return ints_ + groups * kPanel; }
+
+ private:
+  const int8_t* ints_;
+  const float* units_;
+  const uint16_t* half_units_;
+};
 
 // a panel's scales (or zeros) for the kLanes outputs of one slice, group after group: exactly GroupScales::value
 class PanelWalk {
@@ -421,10 +452,7 @@ class PanelWalk {
   PanelWalk(const GroupScales& s, int64_t panel, int64_t slice)
       : floats_(s.floats != nullptr ? s.floats + panel * s.groups * kPanel + slice * kLanes : nullptr),
         halves_(s.halves != nullptr ? s.halves + panel * s.groups * kPanel + slice * kLanes : nullptr),
-        ints_(s.ints != nullptr ? s.ints + panel * s.groups * kPanel + slice * kLanes : nullptr),
-        units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
-        half_units_(s.half_units != nullptr ? s.half_units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes
-                                            : nullptr),
+        factored_(s, panel, slice),
         per_unit_(s.per_unit) {}
 
   VecF next() {
@@ -439,34 +467,20 @@ class PanelWalk {
       halves_ += kPanel;
       return v;
     }
-    if (in_unit_ == 0) unit_ = next_unit();  // converted once per run of groups, not per group
-    v = mul(unit_, int8_floats(ints_));
-    ints_ += kPanel;
+    if (in_unit_ == 0) unit_ = factored_.next_unit();  // converted once per run of groups, not per group
+    v = mul(unit_, to_floats(factored_.next_ints()));
     if (++in_unit_ == per_unit_) in_unit_ = 0;
     return v;
   }
   const void* ahead(int64_t groups) const {
     if (floats_ != nullptr) return floats_ + groups * kPanel;
-    return halves_ != nullptr ? static_cast<const void*>(halves_ + groups * kPanel) : ints_ + groups * kPanel;
+    return halves_ != nullptr ? static_cast<const void*>(halves_ + groups * kPanel) : factored_.ahead(groups);
   }
 
  private:
-  VecF next_unit() {  // a factored form's next unit, float32 or float16
-    if (units_ != nullptr) {
-      const VecF u = load_floats(units_);
-      units_ += kPanel;
-      return u;
-    }
-    const VecF u = half_floats(half_units_);
-    half_units_ += kPanel;
-    return u;
-  }
-
   const float* floats_;
   const uint16_t* halves_;
-  const int8_t* ints_;
-  const float* units_;
-  const uint16_t* half_units_;
+  UnitWalk factored_;
   int64_t per_unit_, in_unit_ = 0;
   VecF unit_ = zero_float();
 };
@@ -590,37 +604,6 @@ void dot_panel(const Weight& wt, int64_t p, int64_t slice, const Activations& a,
   }
   for (int r = 0; r < R; ++r) store_floats(out + r * ldo + slice * kLanes, total[r]);
 }
-
-// a factored form's ints (as int32 lanes, group after group) and units, for the kLanes outputs of one slice
-class UnitWalk {
- public:
-  UnitWalk(const GroupScales& s, int64_t panel, int64_t slice)
-      : ints_(s.ints + panel * s.groups * kPanel + slice * kLanes),
-        units_(s.units != nullptr ? s.units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes : nullptr),
-        half_units_(s.half_units != nullptr ? s.half_units + panel * (s.groups / s.per_unit) * kPanel + slice * kLanes
-                                            : nullptr) {}
-
-  VecI next_ints() {
-    const VecI v = int8_ints(ints_);
-    ints_ += kPanel;
-    return v;
-  }
-  VecF next_unit() {
-    if (units_ != nullptr) {
-      const VecF u = load_floats(units_);
-      units_ += kPanel;
-      return u;
-    }
-    const VecF u = half_floats(half_units_);
-    half_units_ += kPanel;
-    return u;
-  }
-
- private:
-  const int8_t* ints_;
-  const float* units_;
-  const uint16_t* half_units_;
-};
 
 // dot_panel for factored scales (Weight::units): per unit, the groups' integers times their ints summed in
 // int32, then one float step into the lane of the unit's number mod 8 (the zeros likewise, from pairs of
@@ -992,12 +975,25 @@ torch::Tensor grouped_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   return out;
 }
 
+// check_weight for a call without x: K from the scale's groups
+Weight weight_alone(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
+                    const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table, int64_t group) {
+  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 16, K / group, 16]");
+  return check_weight(codes, scale, scale_units, zero, zero_units, table, group, scale.size(1) * group);
+}
+
+// inputs to one block of the int8 activations grouped_matmul rounds for this weight (Weight::span)
+int64_t activation_span(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
+                        const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
+                        int64_t group) {
+  return weight_alone(codes, scale, scale_units, zero, zero_units, table, group).span();
+}
+
 torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
                              const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
                              int64_t group, int64_t start, int64_t end) {
-  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 16, K / group, 16]");
-  const int64_t k = scale.size(1) * group;
-  const Weight wt = check_weight(codes, scale, scale_units, zero, zero_units, table, group, k);
+  const Weight wt = weight_alone(codes, scale, scale_units, zero, zero_units, table, group);
+  const int64_t k = wt.groups * wt.group;
   TORCH_CHECK(0 <= start && start <= end && end <= outputs_of(codes), "rows [", start, ", ", end, ") out of range");
   auto out = torch::empty({end - start, k}, codes.options().dtype(torch::kFloat32));
   unpack_rows(wt, start, end, out.data_ptr<float>());
@@ -1008,10 +1004,9 @@ torch::Tensor grouped_unpack(const torch::Tensor& codes, const torch::Tensor& sc
 torch::Tensor grouped_rows(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& scale_units,
                            const torch::Tensor& zero, const torch::Tensor& zero_units, const torch::Tensor& table,
                            int64_t group, const torch::Tensor& ids) {
-  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, "scale: [N, K / group] or [N / 16, K / group, 16]");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.device().is_cpu(), "ids: int64 [R] on the CPU");
-  const int64_t k = scale.size(1) * group;
-  const Weight wt = check_weight(codes, scale, scale_units, zero, zero_units, table, group, k);
+  const Weight wt = weight_alone(codes, scale, scale_units, zero, zero_units, table, group);
+  const int64_t k = wt.groups * wt.group;
   const auto wanted = ids.contiguous();
   const int64_t* id = wanted.data_ptr<int64_t>();
   const int64_t count = wanted.numel(), n = outputs_of(codes);
@@ -1032,6 +1027,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x float32 [M, K] @ grouped weight.T -> float32 [M, N] (CPU), x rounded to int8 per group");
   m.def("quantize_activations", &quantize_activations, kReleaseGil,
         "x float32 [M, K] -> (q int8 [M, K], d float32 [M, K / span]): its int8 blocks of span inputs");
+  m.def("activation_span", &activation_span, "inputs to one block of the activations grouped_matmul rounds for a weight");
   m.def("grouped_unpack", &grouped_unpack, kReleaseGil, "rows [start, end) of a grouped weight as float32 (CPU)");
   m.def("grouped_rows", &grouped_rows, kReleaseGil, "rows ids [R] of a grouped weight as float32 [R, K] (CPU)");
   m.def("vectorized", &vectorized, "whether this build has the vector loops (AVX2, FMA and F16C; AVX-512 where present)");

@@ -64,7 +64,7 @@ def _magnitude(x, weight, span=None):
     `span` inputs: the weight's own by default)."""
     codes, scale, zero, table = weight
     group = x.shape[1] // scale.shape[1]
-    rounded = grouped_matmul.rounded_activations(x, span or grouped_matmul.activation_span(*weight[:3])).abs()
+    rounded = grouped_matmul.rounded_activations(x, span or grouped_matmul.activation_span(*weight)).abs()
     values = grouped_matmul.grouped_values(codes, scale, None, table, dtype=torch.float64).abs()
     if zero is not None:
         values = values + zero.double().abs().repeat_interleave(group, dim=1)
@@ -74,7 +74,7 @@ def _magnitude(x, weight, span=None):
 def _error_ratio(out, x, weight, span=None):
     """max |out - ref| / magnitude over the outputs, ref = (x rounded as the kernel does, in blocks of `span`:
     the weight's own by default) @ W.T in float64: within _bound(K, G) when correct."""
-    span = span or grouped_matmul.activation_span(*weight[:3])
+    span = span or grouped_matmul.activation_span(*weight)
     ref = grouped_matmul.rounded_activations(x, span) @ grouped_matmul.grouped_values(*weight, dtype=torch.float64).T
     assert out.shape == ref.shape and out.dtype == torch.float32
     return float(((out.double() - ref).abs() / _magnitude(x, weight, span)).max())
@@ -278,7 +278,7 @@ def test_factored_scales_take_the_unit_arithmetic_in_every_form(kind):
     float64 bound of (x rounded per span) @ W.T, and not the per-group form's arithmetic."""
     factored, floats = _factored(*kind, seed=41)
     span = kind[3] * kind[5]
-    assert grouped_matmul.activation_span(*factored[:3]) == span and grouped_matmul.activation_span(*floats[:3]) == kind[3]
+    assert grouped_matmul.activation_span(*factored) == span and grouped_matmul.activation_span(*floats) == kind[3]
     half = (factored[0], grouped_matmul.narrowed(factored[1]), grouped_matmul.narrowed(factored[2]), factored[3])
     assert half[1].units.dtype == torch.float16 and half[1].nbytes() < factored[1].nbytes()
     forms = [factored, half]
@@ -312,13 +312,13 @@ def test_a_unit_sum_at_its_largest_stays_exact():
     zero = grouped_matmul.factor(torch.full((16, 32), -128), torch.full((16, 1), 2.0**-12))
     x = torch.full((2, 1024), 3.0)
     for weight in ((codes, scale, zero, None), (*grouped_matmul.to_panels(codes, scale, zero), None)):
-        assert grouped_matmul.activation_span(*weight[:3]) == 1024
+        assert grouped_matmul.activation_span(*weight) == 1024
         out = grouped_matmul.grouped_matmul(x, *weight)
         twin = (codes, scale.floats(), zero.floats(), None)
         assert _error_ratio(out, x, twin, 1024) <= _bound(1024, 32) and float(out[0, 0]) > 49000  # 1024 * 3 * 15.97
         assert torch.equal(grouped_matmul.grouped_matmul(x, *weight, portable=True), out)
     wide = grouped_matmul.factor(torch.full((16, 64), 1), torch.ones(16, 1))
-    assert grouped_matmul.activation_span(torch.zeros(16, 2048, dtype=torch.int8), wide, None) == 32
+    assert grouped_matmul.activation_span(torch.zeros(16, 2048, dtype=torch.int8), wide, None, None) == 32
 
 
 # the vector builds this CPU does not make by itself, built on purpose (tests/kernels/prebuild.py builds them beforehand)

@@ -67,7 +67,7 @@ def test_groups_hold_the_file_values(type_name):
 def _check_close(out, x, weight: GroupedWeight, dtype, bias=None, rounded=True):
     """out within float32 arithmetic of x @ W.T (+ bias) in float64, x rounded to the kernel's int8
     blocks when `rounded` (the C++ kernel; the torch path multiplies x as it is)."""
-    group, span = weight.group, grouped_matmul.activation_span(weight.codes, weight.scale, weight.zero)
+    group, span = weight.group, grouped_matmul.activation_span(weight.codes, weight.scale, weight.zero, weight.table)
     inputs = grouped_matmul.rounded_activations(x, span) if rounded else x.double()  # K-quants: a block a unit
     ref = inputs @ weight.dequantize().double().T + (0 if bias is None else bias.double())
     cut = lambda values: values[:weight.out_features]  # noqa: E731  (outputs padded to a multiple of 16 dropped)

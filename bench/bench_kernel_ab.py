@@ -16,15 +16,13 @@ only float32). Results: bench/results/kernel_ab.json, with this machine's CPU.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import log, machine_info, pin_threads, quick_mode, write_result
+from common import log, machine_info, pin_threads, quick_mode, write_result  # puts the repository on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_grouped_rows import SHAPES, TYPES, weight_copies  # noqa: E402
 
 from kernels import cpu_extension, grouped_matmul  # noqa: E402

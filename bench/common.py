@@ -217,10 +217,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_process(argv: list[str], env: dict | None = None, log_path: Path | None = None) -> subprocess.Popen:
+def start_process(argv: list[str], env: dict | None = None, log_path: Path | None = None,
+                  cwd: Path = REPO) -> subprocess.Popen:
     """Start a server process in its own process group (so stop_process ends its children too)."""
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=os.environ | (env or {}),
+    return subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | (env or {}),
                             start_new_session=True)
 
 

@@ -159,6 +159,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
     tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls: hermes, llama3_json, auto (from the template)
     max_tool_calls: int = 16  # calls in one constrained answer (tool_choice "required" with parallel calls)
+    preprocessing_threads: int = 0  # threads that parse and tokenize request bodies off the loop; 0: one per core
+    preprocessing_nice: int = 10  # their nice value (0-19): a busy core goes to the engine's threads first
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -173,6 +175,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.admission_wait_s must be >= 0")
         if self.usage_write_timeout_s <= 0:
             raise ConfigError("server.usage_write_timeout_s must be > 0")
+        if self.preprocessing_threads < 0:
+            raise ConfigError("server.preprocessing_threads must be >= 0 (0: one per core)")
+        if not 0 <= self.preprocessing_nice <= 19:
+            raise ConfigError("server.preprocessing_nice must be in 0..19")
         if self.max_tool_calls < 1:
             raise ConfigError("server.max_tool_calls must be >= 1")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

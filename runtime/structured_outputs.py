@@ -11,7 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from runtime.errors import InvalidRequestError
+from runtime.json_limits import check_schema_size, decode_json
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -35,11 +38,13 @@ class StructuredOutputs:
                 param=self.param)
         if isinstance(self.json, str):
             try:
-                self.json = json.loads(self.json)
-            except ValueError as exc:
+                self.json = decode_json(self.json, self.param)
+            except msgspec.DecodeError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", param=self.param) from exc
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param=self.param)
+        if isinstance(self.json, dict):
+            check_schema_size(self.json, self.param)
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param=self.param)
         for kind in ("regex", "grammar"):

@@ -180,6 +180,7 @@ def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLi
         if publisher is not None:
             publisher.cancel()
         await asyncio.gather(*(t for t in [publisher] if t), *state.background, return_exceptions=True)
+        state.preprocessing.close()
         await journal.stop()
         await ledger.close()
         await pins.close()

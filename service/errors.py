@@ -7,7 +7,7 @@ import re
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from runtime.sampling_params import InvalidRequestError
 
@@ -35,6 +35,7 @@ ANTHROPIC_ERROR_TYPES = {
     503: "overloaded_error",
 }
 ANTHROPIC_PATHS = ("/v1/messages",)  # routes that answer errors in Anthropic's shape
+WEBSOCKET = "pagedserve.websocket"  # a request's key for its WebSocket, once upgraded: errors then go in frames
 
 
 class UnavailableError(Exception):
@@ -117,6 +118,11 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception as exc:
         error = _as_api_error(request, exc)
+        ws = request.get(WEBSOCKET)
+        if ws is not None and ws.prepared:  # no HTTP into an upgraded socket: close it, saying why
+            await ws.close(code=WSCloseCode.INTERNAL_ERROR if error.status >= 500 else WSCloseCode.POLICY_VIOLATION,
+                           message=error.message[:120].encode())
+            return ws
         return error.anthropic_response() if request.path.startswith(ANTHROPIC_PATHS) else error.response()
 
 
@@ -131,5 +137,5 @@ def _as_api_error(request: web.Request, exc: Exception) -> APIError:
         return APIError(exc.status, exc.reason or "error", None, None, allow)
     if not isinstance(exc, (APIError, InvalidRequestError, UnavailableError, msgspec.ValidationError,
                             msgspec.DecodeError)):
-        log.exception("unhandled error", path=request.path)
+        log.error("unhandled error", path=request.path, error_type=type(exc).__name__, exc_info=exc)
     return from_exception(exc)

@@ -6,17 +6,25 @@ import logging
 import sys
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 
 
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     """Route structlog (and stdlib logging) to stderr at `level`."""
     json = not sys.stderr.isatty() if json is None else json
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    # an exception is logged with its type, message and frames, never its locals (they hold tenants' prompts)
+    if json:
+        exceptions = [structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))]
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        exceptions = []
+        renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            *exceptions,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -5,10 +5,11 @@ per-minute budget at the end of one minute and again at the start of the next. W
 per-minute limit is hit, Retry-After is the whole seconds until the window rolls over (1..60);
 for the concurrency limit it is 1.
 
-Tokens are counted at admission with the caller's estimate (prompt tokens + max_tokens is the
-intended one: an upper bound); `release(lease, actual_tokens)` corrects the count by the
-difference while the lease's minute is still the current one. A rejected request counts
-nothing. Checks run in the order requests_per_minute, tokens_per_minute, max_concurrent, and the
+Tokens are counted in two steps: at arrival with an estimate from the body's size
+(`acquire`), then up to prompt tokens + max_tokens once the body is tokenized (`extend`, which
+can only refuse on tokens_per_minute); `release(lease, actual_tokens)` corrects the count by the
+difference while the lease's minute is still the current one (service/request_lease.py drives
+the three). A rejected acquire or extend counts nothing more. Checks run in the order requests_per_minute, tokens_per_minute, max_concurrent, and the
 first one over is reported.
 
 Redis keys (one Lua script checks and counts all three atomically):
@@ -81,6 +82,10 @@ class RateLimiter(Protocol):
     async def acquire(self, tenant: str, limits: Limits, num_tokens: int) -> Lease:
         """Count one request, `num_tokens` tokens and one slot; RateLimitExceeded if any limit is hit."""
 
+    async def extend(self, lease: Lease, limits: Limits, num_tokens: int) -> Lease:
+        """Count `num_tokens` more for the lease's request (in the current window); the lease with them.
+        RateLimitExceeded (tokens_per_minute) if they do not fit, and then nothing more is counted."""
+
     async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
         """Free the lease's slot (once) and correct its token count to `actual_tokens`."""
 
@@ -140,6 +145,23 @@ class LocalRateLimiter:
         usage.lease_ids.add(lease.lease_id)
         return lease
 
+    async def extend(self, lease: Lease, limits: Limits, num_tokens: int) -> Lease:
+        """Count `num_tokens` more for the lease's request; RateLimitExceeded (tokens_per_minute) if over."""
+        _check_tokens(num_tokens)
+        usage = self._tenants.get(lease.tenant)
+        if not lease.holds_slot or usage is None:
+            return msgspec.structs.replace(lease, num_tokens=lease.num_tokens + num_tokens)
+        now = self._clock()
+        window = int(now // WINDOW_S)
+        if usage.window != window:
+            usage.window, usage.num_requests, usage.num_tokens = window, 0, 0
+        if (limits.tokens_per_minute is not None and num_tokens > 0
+                and usage.num_tokens + num_tokens > limits.tokens_per_minute):
+            raise _exceeded(lease.tenant, "tokens_per_minute", limits, max(1, math.ceil((window + 1) * WINDOW_S - now)))
+        usage.num_tokens += num_tokens
+        counted = lease.num_tokens + num_tokens if window == lease.window else num_tokens  # this window's part
+        return msgspec.structs.replace(lease, window=window, num_tokens=counted)
+
     async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
         """Free the lease's slot (once) and correct its token count to `actual_tokens`."""
         usage = self._tenants.get(lease.tenant)
@@ -189,6 +211,31 @@ redis.call('EXPIRE', KEYS[2], ARGV[6])
 return {'', 0, window}
 """
 
+# KEYS: window hash; ARGV: tpm (-1: none), num_tokens, now ('' = server TIME)
+_EXTEND_LUA = """
+local now
+if ARGV[3] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(ARGV[3])
+end
+local window = math.floor(now / 60)
+local tpm, num_tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
+local state = redis.call('HMGET', KEYS[1], 'window', 'tokens')
+local used_tokens = 0
+if tonumber(state[1]) == window then used_tokens = tonumber(state[2]) or 0 end
+if tpm >= 0 and num_tokens > 0 and used_tokens + num_tokens > tpm then
+  return {'tokens_per_minute', math.max(1, math.ceil((window + 1) * 60 - now)), window}
+end
+if tonumber(state[1]) ~= window then
+  redis.call('HSET', KEYS[1], 'window', window, 'requests', 0, 'tokens', 0)
+end
+redis.call('HINCRBY', KEYS[1], 'tokens', num_tokens)
+redis.call('EXPIRE', KEYS[1], 120)
+return {'', 0, window}
+"""
+
 # KEYS: window hash, leases zset; ARGV: lease_id, window, token correction
 _RELEASE_LUA = """
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
@@ -215,6 +262,7 @@ class RedisRateLimiter:
         self._close_client = close_client
         self._acquire_script = redis_client.register_script(_ACQUIRE_LUA)
         self._release_script = redis_client.register_script(_RELEASE_LUA)
+        self._extend_script = redis_client.register_script(_EXTEND_LUA)
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}ratelimit:{tenant}"
@@ -235,6 +283,21 @@ class RedisRateLimiter:
         if limit_name:
             raise _exceeded(tenant, limit_name, limits, int(retry_after_s))
         return Lease(tenant, lease_id, int(window), num_tokens, holds_slot=True)
+
+    async def extend(self, lease: Lease, limits: Limits, num_tokens: int) -> Lease:
+        """Count `num_tokens` more for the lease's request; RateLimitExceeded (tokens_per_minute) if over."""
+        _check_tokens(num_tokens)
+        if not lease.holds_slot:
+            return msgspec.structs.replace(lease, num_tokens=lease.num_tokens + num_tokens)
+        tpm = -1 if limits.tokens_per_minute is None else limits.tokens_per_minute
+        now = "" if self._clock is None else repr(float(self._clock()))
+        limit_name, retry_after_s, window = await self._extend_script(keys=self._keys(lease.tenant)[:1],
+                                                                      args=[tpm, num_tokens, now])
+        if _str(limit_name):
+            raise _exceeded(lease.tenant, "tokens_per_minute", limits, int(retry_after_s))
+        window = int(window)
+        counted = lease.num_tokens + num_tokens if window == lease.window else num_tokens  # this window's part
+        return msgspec.structs.replace(lease, window=window, num_tokens=counted)
 
     async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
         """Free the lease's slot (once) and correct its token count to `actual_tokens`."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -20,9 +22,12 @@ from service.grammars import LoopCompiles
 from service.metrics import ServiceMetrics
 from service.pins import PinRegistry
 from service.prefix_index import PrefixIndex
+from service.preprocessing import Preprocessing
 from service.rate_limit import RateLimiter
 from service.responses_store import ResponseStore
 from service.tenants import Tenant, TenantDirectory
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,11 +50,14 @@ class ServiceState:
     created: float = field(default_factory=time.time)
     background: set = field(default_factory=set)  # fire-and-forget tasks, held until done
     grammar_compiles: LoopCompiles = field(init=False)  # the model's compiler, driven from this loop
+    preprocessing: Preprocessing = field(init=False)  # bodies parsed and tokenized off the loop, a line per tenant
     admission: FairAdmission = field(init=False)  # places in flight, fair across tenants when they run out
     tenant_weights: dict[str, float] = field(init=False)  # plan weights by tenant id
 
     def __post_init__(self) -> None:
         self.grammar_compiles = LoopCompiles(self.engine.grammars)
+        self.preprocessing = Preprocessing(self.settings.server.preprocessing_threads,
+                                           nice=self.settings.server.preprocessing_nice)
         self.admission = FairAdmission(lambda: self.capacity, self.bridge.inflight_sequences_by_tenant,
                                        self.settings.server.admission_wait_s)
         self.tenant_weights = {t.tenant_id: t.weight for t in self.tenants.tenants.values()}
@@ -59,6 +67,11 @@ class ServiceState:
         task = asyncio.get_running_loop().create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    async def preprocess(self, tenant: Tenant, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` off the event loop, in the tenant's line (service/preprocessing.py): parsing, templates,
+        tokenizing, validating."""
+        return await self.preprocessing.run(tenant.tenant_id, fn, *args)
 
     def authenticate(self, request: web.Request) -> Tenant:
         """The caller's tenant from `Authorization: Bearer`, or 401."""

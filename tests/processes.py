@@ -1,10 +1,13 @@
 """A `python -m service.cli ...` process on 127.0.0.1 for the tests that need real server processes.
 
-It logs JSON lines to a file in the test's folder; `wait_ready` polls its /ready.
+It logs JSON lines to a file in the test's folder; `wait_ready` polls its /ready. Given port 0
+(`--port 0`), the server binds a free port itself and `wait_ready` reads it back from its
+"listening" log line: no port is picked here and released before the server binds it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,8 +25,7 @@ class Process:
 
     def __init__(self, name: str, args: list[str], port: int, log_dir: Path, env: dict[str, str]) -> None:
         self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = port  # 0: the server's own choice, known once it listens (listening_port)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], stdout=self._log,
@@ -31,12 +33,32 @@ class Process:
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_SERVER_LOG_JSON": "true",
                                              **env})
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def listening_port(self) -> int | None:
+        """The port of the server's "listening" log line (`serve` logs it once the port accepts), if logged yet."""
+        for line in self.log_path.read_bytes().splitlines():
+            if b'"listening"' not in line:
+                continue
+            try:
+                return int(json.loads(line)["url"].rsplit(":", 1)[1])
+            except (ValueError, KeyError):
+                continue
+        return None
+
     def wait_ready(self, timeout: float = 90.0, check=lambda body: True) -> dict:
         """Poll /ready until it answers 200 and `check(body)` holds; the body."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.tail()}")
+            if self.port == 0:
+                self.port = self.listening_port() or 0
+                if self.port == 0:
+                    time.sleep(0.1)
+                    continue
             try:
                 response = requests.get(self.url + "/ready", timeout=1)
                 if response.status_code == 200 and check(response.json()):

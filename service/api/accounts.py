@@ -9,6 +9,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from runtime.block_hash import extend_block_hashes
+from runtime.json_limits import check_json_depth
 from runtime.sampling_params import SamplingParams
 from service.errors import APIError
 from service.state import STATE, ServiceState
@@ -90,7 +91,9 @@ async def create_pin(request: web.Request) -> web.Response:
     state = request.app[STATE]
     caller = state.authenticate(request)
     tenant_id = _target_tenant(state, caller, request)
-    body = msgspec.json.decode(await request.read(), type=PinBody, strict=True)
+    raw = await request.read()
+    check_json_depth(raw)
+    body = msgspec.json.decode(raw, type=PinBody, strict=True)
     if not body.id or len(body.id) > 128:
         raise APIError(400, "id must be 1 to 128 characters", "id", "invalid_value")
     await pin_prefix(state, tenant_id, body.id, body.text)

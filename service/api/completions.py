@@ -14,6 +14,7 @@ from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from runtime.sampling_params import StructuredOutputs
 from service.api.tools import ToolPlan, fallback_system_prompt, plan_tools
+from service.request_lease import RequestLease
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -27,15 +28,16 @@ async def chat_generation(state: ServiceState, body: ChatCompletionRequest, tena
     id for it (a Responses API `resp_...`), else a chat completion id; `api`: which API asked (Messages and
     Responses run on this chat core too).
 
-    Its tools (service/api/tools.py) go into the prompt and may constrain the output; the
-    output's grammar is compiled here, off the event loop, before anything is queued.
+    Its tools (service/api/tools.py) go into the prompt and may constrain the output. The prompt is
+    rendered and tokenized, the output's grammar compiled and the engine requests validated off the
+    event loop (the tenant's line of service/preprocessing.py), before anything is queued.
     """
-    prompt, plan, constraint = chat_prompt(state, body)
+    prompt, plan, constraint = await state.preprocess(tenant, chat_prompt, state, body)
     grammar = await state.compile_grammar(constraint)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     fmt = ChatFormat(request_id or new_request_id("chatcmpl"), int(time.time()), state.model_name, state.tokenizer, num_top,
                      tool_plan=plan if plan is not None and plan.choice != "none" else None)
-    generation = Generation(state, body, [prompt], fmt, tenant, constraint, grammar)
+    generation = await state.preprocess(tenant, Generation, state, body, [prompt], fmt, tenant, constraint, grammar)
     generation.api = api
     return generation
 
@@ -62,27 +64,38 @@ def chat_prompt(state: ServiceState, body: ChatCompletionRequest, add_generation
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    body = decode_body(await request.read(), ChatCompletionRequest)
-    return await _respond(request, await chat_generation(state, body, tenant))
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        body = await state.preprocess(tenant, decode_body, raw, ChatCompletionRequest)
+        return await _respond(request, await chat_generation(state, body, tenant), lease)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    body = decode_body(await request.read(), CompletionRequest)
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        body, prompts, echo_texts, constraint = await state.preprocess(tenant, _completion_prompts, state, raw)
+        grammar = await state.compile_grammar(constraint)
+        fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer,
+                               body.logprobs, echo_texts=echo_texts, n=body.n)  # choices per prompt (best_of keeps n)
+        generation = await state.preprocess(tenant, Generation, state, body, prompts, fmt, tenant, constraint, grammar)
+        return await _respond(request, generation, lease)
+
+
+def _completion_prompts(state: ServiceState, raw: bytes):
+    """(body, its prompts as token ids, their texts when echoed, the output constraint): a completions
+    body parsed and tokenized (on a preprocessing thread)."""
+    body = decode_body(raw, CompletionRequest)
     state.check_model(body.model)
     given = body.prompts()
     prompts = [state.engine.tokenize(p) for p in given]
-    constraint = body.output_constraint()
-    grammar = await state.compile_grammar(constraint)
     echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in given] if body.echo else None
-    fmt = CompletionFormat(new_request_id("cmpl"), int(time.time()), state.model_name, state.tokenizer, body.logprobs,
-                           echo_texts=echo_texts, n=body.n)  # choices per prompt as returned (best_of keeps n)
-    return await _respond(request, Generation(state, body, prompts, fmt, tenant, constraint, grammar))
+    return body, prompts, echo_texts, body.output_constraint()
 
 
-async def _respond(request: web.Request, generation: Generation) -> web.StreamResponse:
-    await generation.admit()
+async def _respond(request: web.Request, generation: Generation, lease: RequestLease) -> web.StreamResponse:
+    await generation.admit(lease)
     try:
         generation.start()
         if generation.body.stream:

@@ -21,7 +21,7 @@ from runtime.structured_outputs import StructuredOutputs
 from service.errors import APIError
 from service.api.formatting import ResponseFormat, usage_dict
 from service.api.openai_fields import ignored_fields
-from service.rate_limit import RateLimitExceeded
+from service.request_lease import RequestLease
 from service.tenants import Tenant
 from service.billing.usage import UsageRecord, cost_pico_usd
 from service.api.protocol import SamplingFields
@@ -72,37 +72,22 @@ class Generation:
         self.ignored_fields = ignored_fields(body, body.fields_table)  # named in a header and the summary line
         self.api = fmt.api  # which API asked (metrics, dashboard, the summary line); chat_generation may say another
 
-    async def admit(self) -> None:
-        """Server capacity (503/429), then the tenant's limits (429 naming the limit).
+    async def admit(self, lease: RequestLease) -> None:
+        """Server capacity (503/429), then the rest of the request's tokens on its tenant's lease (429).
 
-        Tokens counted against tokens_per_minute are prompt + n * max_tokens (as OpenAI
-        counts them), corrected to what was used on release. A cancellation while the
-        limiter answers gives the lease back as soon as it arrives.
+        Tokens counted against tokens_per_minute are prompt + n * max_tokens (as OpenAI counts
+        them), corrected to what was used on release. From here the lease is this request's: its
+        finish() gives it back.
         """
         state = self.state
         await state.reserve_capacity(self.tenant, self.num_sequences)
         try:
-            num_tokens = sum(len(r.prompt_token_ids) + r.params.n * r.params.max_tokens for r in self.requests)
-            acquire = asyncio.ensure_future(state.limiter.acquire(self.tenant.tenant_id, self.tenant.limits, num_tokens))
-            try:
-                self.lease = await asyncio.shield(acquire)
-            except asyncio.CancelledError:
-                acquire.add_done_callback(self._release_orphan)
-                raise
-            except RateLimitExceeded as exc:
-                raise APIError(429, exc.message, None, "rate_limit_exceeded",
-                               {"Retry-After": str(exc.retry_after_s)}) from exc
-            except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
-                log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
+            await lease.extend_to(sum(len(r.prompt_token_ids) + r.params.n * r.params.max_tokens for r in self.requests))
         except BaseException:
             state.release_capacity(self.tenant, self.num_sequences)
             raise
+        self.lease = lease.hand_over()
         self.admitted = True
-
-    def _release_orphan(self, acquire: asyncio.Future) -> None:
-        if not acquire.cancelled() and acquire.exception() is None:
-            self.lease = acquire.result()
-            self.state.spawn(self._release(0))
 
     def start(self) -> None:
         """Hand every prompt to the engine (after admit())."""

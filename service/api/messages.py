@@ -22,15 +22,19 @@ message_stop; a failure mid-stream is an `error` event. Errors are Anthropic's s
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from runtime.errors import InvalidRequestError
+from runtime.json_limits import check_json_depth, decode_json
 from service.api.completions import SSE_HEADERS, chat_generation, chat_prompt
 from service.api.generation import ChoiceAccumulator, Generation
 from service.api.messages_protocol import CountTokensRequest, MessagesRequest
 from service.api.protocol import ChatCompletionRequest, decode_body
 from service.errors import APIError, from_exception
+from service.request_lease import RequestLease
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -44,6 +48,7 @@ def authenticate(state: ServiceState, request: web.Request) -> Tenant:
 
 
 def _decode(raw: bytes, kind: type[CountTokensRequest]) -> CountTokensRequest:
+    check_json_depth(raw)
     body = msgspec.json.decode(raw, type=kind, strict=True)
     body.check_fields()
     return body
@@ -53,10 +58,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     state = request.app[STATE]
     tenant = authenticate(state, request)
-    body = _decode(await request.read(), MessagesRequest)
-    chat = decode_body(body.chat_body(), ChatCompletionRequest)
-    generation = await chat_generation(state, chat, tenant, api="messages")
-    await generation.admit()
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        body, chat = await state.preprocess(tenant, _chat_of_messages, raw)
+        generation = await chat_generation(state, chat, tenant, api="messages")
+        await generation.admit(lease)
     try:
         generation.start()
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -67,13 +73,27 @@ async def messages(request: web.Request) -> web.StreamResponse:
         generation.finish()
 
 
+def _chat_of_messages(raw: bytes) -> tuple[MessagesRequest, ChatCompletionRequest]:
+    """A Messages body and the chat body it runs as (on a preprocessing thread)."""
+    body = _decode(raw, MessagesRequest)
+    return body, decode_body(body.chat_body(), ChatCompletionRequest)
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: {"input_tokens": the prompt's length, tools included}."""
     state = request.app[STATE]
-    authenticate(state, request)
-    body = _decode(await request.read(), CountTokensRequest)
-    prompt, _, _ = chat_prompt(state, decode_body({"model": body.model, **body.chat_fields()}, ChatCompletionRequest))
+    tenant = authenticate(state, request)
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        prompt = await state.preprocess(tenant, _count_prompt, state, raw)
+        lease.used_tokens = len(prompt)
     return web.json_response({"input_tokens": len(prompt)})
+
+
+def _count_prompt(state: ServiceState, raw: bytes) -> list[int]:
+    body = _decode(raw, CountTokensRequest)
+    prompt, _, _ = chat_prompt(state, decode_body({"model": body.model, **body.chat_fields()}, ChatCompletionRequest))
+    return prompt
 
 
 def _usage(generation: Generation) -> dict:
@@ -103,8 +123,17 @@ def _blocks(message: dict) -> list[dict]:
     blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     for call in message.get("tool_calls") or []:
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": msgspec.json.decode(call["function"]["arguments"] or "{}")})
+                       "input": _tool_input(call["function"]["arguments"])})
     return blocks
+
+
+def _tool_input(arguments: str) -> Any:
+    """A tool call's arguments (the model's text) as its input object; text that is not JSON, or nests past
+    the limit, as the text itself."""
+    try:
+        return decode_json(arguments or "{}")
+    except (msgspec.DecodeError, InvalidRequestError):
+        return arguments
 
 
 def _message(generation: Generation, message_id: str, content: list[dict], stop_reason: str | None,

@@ -16,10 +16,12 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from runtime.json_limits import check_json_depth, decode_json
 from runtime.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
 from service.api.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, REFUSED
 
 MAX_STOP_STRINGS = 4
+MAX_MESSAGES = 4096  # messages in one chat request
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema and function names
 
 
@@ -106,8 +108,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 def _arguments(text: str) -> Any:
     """A call's arguments as the object they encode (what chat templates expect), else the text."""
     try:
-        return msgspec.json.decode(text)
-    except msgspec.DecodeError:
+        return decode_json(text)
+    except (msgspec.DecodeError, InvalidRequestError):  # not JSON, or nested past the limit: the text as it is
         return text
 
 
@@ -386,6 +388,9 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     def message_dicts(self) -> list[dict]:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if len(self.messages) > MAX_MESSAGES:
+            raise InvalidRequestError(f"{len(self.messages)} messages; a request takes at most {MAX_MESSAGES}",
+                                      param="messages", code="too_many_messages")
         return [m.as_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
 
@@ -455,6 +460,7 @@ def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields
     and InvalidRequestError, which the middleware maps to a 400 naming the field.
     """
     if isinstance(raw, bytes):
+        check_json_depth(raw)
         try:
             body = msgspec.json.decode(raw, type=kind, strict=True)  # the common case: one pass
         except msgspec.ValidationError:

@@ -33,6 +33,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from runtime.json_limits import check_json_depth
 from runtime.sampling_params import InvalidRequestError
 from service.api.completions import SSE_HEADERS, chat_generation
 from service.api.generation import Generation
@@ -40,6 +41,7 @@ from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, decode_body
 from service.api.responses_protocol import CHAT_PARAMS, ResponsesRequest, items_as_messages
 from service.errors import APIError, from_exception
+from service.request_lease import RequestLease
 from service.responses_store import StoredResponse
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
@@ -278,24 +280,36 @@ async def _prepare(state: ServiceState, tenant: Tenant, body: ResponsesRequest) 
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     response_id = f"resp_{uuid.uuid4().hex}"
     try:
-        chat = decode_body({**body.chat_fields(), "messages": system + context + items_as_messages(input_items)},
-                           ChatCompletionRequest)
+        chat = await state.preprocess(tenant, _chat_body, body, system + context, input_items)
         generation = await chat_generation(state, chat, tenant, response_id, api="responses")
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param=_our_param(exc.param), code=exc.code) from exc
     return Run(state, tenant, body, generation, response_id, input_items, context)
 
 
-async def start_run(state: ServiceState, tenant: Tenant, raw: bytes | dict) -> Run:
-    """A create body (JSON bytes, or a decoded object) validated, its prompt built and admitted; not started."""
+def _chat_body(body: ResponsesRequest, messages: list[dict], input_items: list[dict]) -> ChatCompletionRequest:
+    """The chat body a create runs as: `messages` (instructions, the previous responses' context), then its input."""
+    return decode_body({**body.chat_fields(), "messages": messages + items_as_messages(input_items)},
+                       ChatCompletionRequest)
+
+
+def _decode(state: ServiceState, raw: bytes | dict) -> ResponsesRequest:
+    """A create body (JSON bytes, or a decoded object) parsed and checked, its model too."""
     if isinstance(raw, bytes):
+        check_json_depth(raw)
         body = msgspec.json.decode(raw, type=ResponsesRequest, strict=True)
     else:
         body = msgspec.convert(raw, ResponsesRequest, strict=True)
     body.check_fields()
     state.check_model(body.model)
+    return body
+
+
+async def start_run(state: ServiceState, tenant: Tenant, raw: bytes | dict, lease: RequestLease) -> Run:
+    """A create body validated, its prompt built and admitted on the request's `lease`; not started."""
+    body = await state.preprocess(tenant, _decode, state, raw)
     run = await _prepare(state, tenant, body)
-    await run.generation.admit()
+    await run.generation.admit(lease)
     return run
 
 
@@ -303,7 +317,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    run = await start_run(state, tenant, await request.read())
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        run = await start_run(state, tenant, raw, lease)
     body = run.body
     ignored = body.ignored()
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}

@@ -21,9 +21,11 @@ import msgspec
 import structlog
 from aiohttp import WSMsgType, web
 
+from runtime.json_limits import decode_json
 from runtime.sampling_params import InvalidRequestError
 from service.api.responses import drive, start_run
-from service.errors import APIError, from_exception
+from service.errors import WEBSOCKET, APIError, from_exception
+from service.request_lease import RequestLease
 from service.state import STATE, ServiceState
 from service.tenants import Tenant
 
@@ -61,7 +63,7 @@ class ResponsesSocket:
 
     async def handle(self, raw: str) -> None:
         try:
-            message = msgspec.json.decode(raw)
+            message = decode_json(raw)
             if not isinstance(message, dict):
                 raise InvalidRequestError("send a JSON object", param="type")
         except (msgspec.DecodeError, InvalidRequestError) as exc:
@@ -79,7 +81,7 @@ class ResponsesSocket:
             await self.error(InvalidRequestError("stream_id must be a string", param="stream_id"))
             return
         previous = self.lanes.get(stream_id) if stream_id is not None else None
-        task = asyncio.create_task(self._run(message, stream_id, previous))
+        task = asyncio.create_task(self._run(message, len(raw), stream_id, previous))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         if stream_id is not None:
@@ -96,7 +98,7 @@ class ResponsesSocket:
             return
         run.cancel()  # its own stream then ends with response.incomplete, status cancelled
 
-    async def _run(self, body: dict, stream_id: str | None, previous: asyncio.Task | None) -> None:
+    async def _run(self, body: dict, num_bytes: int, stream_id: str | None, previous: asyncio.Task | None) -> None:
         if previous is not None:  # the lane's earlier response first (FIFO); its failure is its own
             await asyncio.wait([previous])
         try:
@@ -104,7 +106,8 @@ class ResponsesSocket:
                 if body.get(field) is not None:
                     raise InvalidRequestError(f"{field} is not a WebSocket field (events always stream; no background)",
                                               param=field)
-            run = await start_run(self.state, self.tenant, body)
+            async with RequestLease(self.state, self.tenant, num_bytes) as lease:
+                run = await start_run(self.state, self.tenant, body, lease)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -135,11 +138,16 @@ async def responses_websocket(request: web.Request) -> web.WebSocketResponse:
         raise APIError(400, "GET /v1/responses is the Responses WebSocket mode: open a WebSocket (POST creates "
                        "a response over HTTP)", None, "websocket_required")
     await ws.prepare(request)
+    request[WEBSOCKET] = ws
     socket = ResponsesSocket(ws, state, tenant)
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
-                await socket.handle(message.data)
+                try:
+                    await socket.handle(message.data)
+                except Exception as exc:  # our bug: this frame's error, and the socket goes on
+                    log.error("websocket frame failed", error_type=type(exc).__name__, exc_info=exc)
+                    await socket.error(exc)
             elif message.type == WSMsgType.BINARY:
                 await socket.error(APIError(400, "send JSON text frames", None))
     finally:

@@ -15,10 +15,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from runtime.json_limits import check_json_depth
 from runtime.sampling_params import InvalidRequestError
 from service.api.completions import chat_prompt
 from service.api.protocol import ChatCompletionRequest, decode_body
-from service.state import STATE
+from service.request_lease import RequestLease
+from service.state import STATE, ServiceState
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -37,19 +39,28 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     model: str | None = None
 
 
-async def _body(request: web.Request, kind: type):
-    """(state, the body as `kind`) once the caller's key and the body's model (if named) are checked."""
-    state = request.app[STATE]
-    state.authenticate(request)
-    body = msgspec.json.decode(await request.read(), type=kind, strict=True)
+def _decode(state: ServiceState, raw: bytes, kind: type):
+    """The body as `kind`, its model (if named) checked."""
+    check_json_depth(raw)
+    body = msgspec.json.decode(raw, type=kind, strict=True)
     if body.model is not None:
         state.check_model(body.model)
-    return state, body
+    return body
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """POST /tokenize."""
-    state, body = await _body(request, TokenizeRequest)
+    """POST /tokenize: counted against the tenant's limits (its tokens as any request's), tokenized off the loop."""
+    state = request.app[STATE]
+    tenant = state.authenticate(request)
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        answer = await state.preprocess(tenant, _tokenize, state, raw)
+        lease.used_tokens = answer["count"]
+    return web.json_response(answer)
+
+
+def _tokenize(state: ServiceState, raw: bytes) -> dict:
+    body = _decode(state, raw, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give either prompt or messages", param="prompt")
     if body.prompt is not None:
@@ -64,14 +75,24 @@ async def tokenize(request: web.Request) -> web.Response:
     answer = {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         answer["token_strs"] = [state.tokenizer.token_piece(t) for t in tokens]  # as vLLM's: the vocabulary's pieces
-    return web.json_response(answer)
+    return answer
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    """POST /detokenize."""
-    state, body = await _body(request, DetokenizeRequest)
+    """POST /detokenize: counted against the tenant's limits like /tokenize."""
+    state = request.app[STATE]
+    tenant = state.authenticate(request)
+    raw = await request.read()
+    async with RequestLease(state, tenant, len(raw)) as lease:
+        body, text = await state.preprocess(tenant, _detokenize, state, raw)
+        lease.used_tokens = len(body.tokens)
+    return web.json_response({"prompt": text})
+
+
+def _detokenize(state: ServiceState, raw: bytes) -> tuple[DetokenizeRequest, str]:
+    body = _decode(state, raw, DetokenizeRequest)
     vocab = state.tokenizer.vocab_size
     for i, token in enumerate(body.tokens):
         if not 0 <= token < vocab:
             raise InvalidRequestError(f"token id {token} is outside the vocabulary (0..{vocab - 1})", param=f"tokens[{i}]")
-    return web.json_response({"prompt": state.tokenizer.decode(body.tokens)})
+    return body, state.tokenizer.decode(body.tokens)

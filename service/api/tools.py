@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from runtime.json_limits import MAX_SCHEMA_VALUES, count_json_values
 from runtime.sampling_params import InvalidRequestError, StructuredOutputs
 from service.api.protocol import NAME_PATTERN, ChatCompletionRequest
 from service.api.tool_parsers import PARSERS, ArgumentsParser, JsonArrayParser, ToolCallParser
+
+MAX_TOOLS = 128  # tools in one request (OpenAI's limit)
 
 ANY_OBJECT = {"type": "object"}
 
@@ -109,7 +112,11 @@ def plan_tools(body: ChatCompletionRequest, template_source: str | None, configu
         if body.parallel_tool_calls is not None:
             raise InvalidRequestError("parallel_tool_calls needs tools", param="parallel_tool_calls")
         return None
+    if len(body.tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"{len(body.tools)} tools; a request takes at most {MAX_TOOLS}", param="tools",
+                                  code="too_many_tools")
     tools, names = [], set()
+    num_schema_values = 0
     for i, tool in enumerate(body.tools):
         if tool.type != "function" or tool.function is None:
             raise InvalidRequestError(f"tools of type {tool.type!r} are not supported: give function tools",
@@ -125,6 +132,10 @@ def plan_tools(body: ChatCompletionRequest, template_source: str | None, configu
             entry["description"] = function.description
         entry["parameters"] = function.parameters if function.parameters is not None else {"type": "object",
                                                                                            "properties": {}}
+        num_schema_values += count_json_values(entry["parameters"], MAX_SCHEMA_VALUES)
+        if num_schema_values > MAX_SCHEMA_VALUES:  # every tool's schema is compiled into one grammar
+            raise InvalidRequestError(f"the tools' parameter schemas have more than {MAX_SCHEMA_VALUES} values in all",
+                                      param=f"tools[{i}].function.parameters", code="schema_too_large")
         tools.append({"type": "function", "function": entry})
     function_name = None
     if choice is None:

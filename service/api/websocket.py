@@ -19,11 +19,14 @@ import msgspec
 import structlog
 from aiohttp import WSMsgType, web
 
-from service.errors import APIError, from_exception
+from runtime.errors import InvalidRequestError
+from runtime.json_limits import check_json_depth
+from service.errors import WEBSOCKET, APIError, from_exception
 from service.api.formatting import usage_dict
 from service.api.completions import chat_generation
 from service.api.generation import Generation
 from service.api.protocol import ChatCompletionRequest, decode_body
+from service.request_lease import RequestLease
 from service.state import STATE
 
 log = structlog.get_logger(__name__)
@@ -59,8 +62,9 @@ class Socket:
 
     async def handle(self, raw: str) -> None:
         try:
+            check_json_depth(raw)
             command = msgspec.json.decode(raw, type=Command)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except (msgspec.ValidationError, msgspec.DecodeError, InvalidRequestError) as exc:
             await self.error(None, exc)
             return
         if command.type == "cancel":
@@ -74,7 +78,7 @@ class Socket:
         if command.id in self.tasks:
             await self.error(command.id, APIError(400, f"request id {command.id!r} is already running", "id"))
             return
-        task = asyncio.create_task(self.run(command.id, command.body or {}))
+        task = asyncio.create_task(self.run(command.id, command.body or {}, len(raw)))
         self.tasks[command.id] = task
         task.add_done_callback(lambda done, request_id=command.id: self._forget(request_id, done))
 
@@ -90,13 +94,14 @@ class Socket:
                 message = {"type": "done", "id": request_id, "usage": usage_dict(0, 0, 0), "finish_reasons": ["abort"]}
                 self.pending_sends.add(asyncio.ensure_future(self.send(message)))
 
-    async def run(self, request_id: str, raw_body: dict) -> None:
+    async def run(self, request_id: str, raw_body: dict, num_bytes: int) -> None:
         self.started.add(request_id)
         generation = None
         try:
-            body = decode_body(raw_body, ChatCompletionRequest)
-            generation = await chat_generation(self.state, body, self.tenant)
-            await generation.admit()
+            async with RequestLease(self.state, self.tenant, num_bytes) as lease:
+                body = await self.state.preprocess(self.tenant, decode_body, raw_body, ChatCompletionRequest)
+                generation = await chat_generation(self.state, body, self.tenant)
+                await generation.admit(lease)
             generation.start()
             fmt = generation.fmt
             started: set[int] = set()
@@ -114,17 +119,16 @@ class Socket:
                 generation.finish()  # stops the engine work and bills what was computed
             if request_id not in self.cancelled:
                 raise  # the socket is closing
-            if generation is not None:
-                await self._done(request_id, generation)
+            await self._done(request_id, generation)  # cancelled while it was read, too: "done" still comes
         except Exception as exc:
             await self.error(request_id, exc)
         finally:
             if generation is not None and generation.admitted:
                 generation.finish()
 
-    async def _done(self, request_id: str, generation: Generation) -> None:
+    async def _done(self, request_id: str, generation: Generation | None) -> None:
         """The request's end: its usage (nothing if it was never admitted) and finish reasons."""
-        if not generation.admitted:
+        if generation is None or not generation.admitted:
             await self.send({"type": "done", "id": request_id, "usage": usage_dict(0, 0, 0), "finish_reasons": ["abort"]})
             return
         try:
@@ -150,11 +154,16 @@ async def websocket_stream(request: web.Request) -> web.WebSocketResponse:
     tenant = state.authenticate(request)  # 401 before the upgrade
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=state.settings.server.max_body_bytes)
     await ws.prepare(request)
+    request[WEBSOCKET] = ws
     socket = Socket(ws, state, tenant)
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
-                await socket.handle(message.data)
+                try:
+                    await socket.handle(message.data)
+                except Exception as exc:  # our bug: this frame's error, and the socket goes on
+                    log.error("websocket frame failed", error_type=type(exc).__name__, exc_info=exc)
+                    await socket.error(None, exc)
             elif message.type == WSMsgType.BINARY:
                 await socket.error(None, APIError(400, "send JSON text frames", None))
     finally:

@@ -97,6 +97,45 @@ def test_tokens_per_minute_counts_the_estimate_and_release_corrects_it(kind, red
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+def test_extend_counts_more_tokens_and_refuses_past_the_minute(kind, redis_url):
+    clock = Clock(1_000_000.0)
+    limits = Limits(tokens_per_minute=1000)
+
+    async def main():
+        async with open_limiter(kind, redis_url, clock) as limiter:
+            lease = await limiter.acquire("acme", limits, 100)  # the body's estimate
+            lease = await limiter.extend(lease, limits, 500)  # its prompt and max_tokens, once known
+            with pytest.raises(RateLimitExceeded) as too_much:
+                await limiter.extend(lease, limits, 401)  # 100 + 500 + 401 > 1000: nothing is counted
+            over = await refused(limiter, "acme", limits, 401)
+            await limiter.acquire("acme", limits, 400)
+            await limiter.release(lease, actual_tokens=50)  # corrects the extended count, 600, to 50
+            await limiter.acquire("acme", limits, 550)
+            full = await refused(limiter, "acme", limits, 1)
+            return lease.num_tokens, too_much.value.limit_name, over[0], full[0]
+
+    assert asyncio.run(main()) == (600, "tokens_per_minute", "tokens_per_minute", "tokens_per_minute")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_extend_in_a_new_minute_counts_there_only(kind, redis_url):
+    clock = Clock(100.0)
+    limits = Limits(tokens_per_minute=1000)
+
+    async def main():
+        async with open_limiter(kind, redis_url, clock) as limiter:
+            lease = await limiter.acquire("acme", limits, 900)
+            clock.now = 125.0
+            lease = await limiter.extend(lease, limits, 300)
+            await limiter.release(lease, actual_tokens=0)  # frees the 300 of this minute, not 1200
+            await limiter.acquire("acme", limits, 1000)
+            return lease.window, lease.num_tokens, await refused(limiter, "acme", limits, 1)
+
+    window, num_tokens, full = asyncio.run(main())
+    assert (window, num_tokens, full[0]) == (2, 300, "tokens_per_minute")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_token_correction_after_the_window_rolled_over_is_ignored(kind, redis_url):
     clock = Clock(100.0)
     limits = Limits(tokens_per_minute=1000)

@@ -1,0 +1,239 @@
+"""A tenant attacking the server, against a real `pagedserve serve` process with two tenants.
+
+Each attack asserts the status and the error's shape (OpenAI's, or Anthropic's on /v1/messages),
+then that the server is still well: /health answers, no KV page is left in use, and the
+tenants' bills did not move for what was refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from tests.processes import Process
+from tests.service.conftest import write_tenants_file
+
+KEY_A, KEY_B, ADMIN_KEY = "sk-tenant-a", "sk-tenant-b", "sk-admin"
+KEY_METERED, KEY_FRUGAL = "sk-tenant-metered", "sk-tenant-frugal"  # 5 requests a minute; 1,000 tokens a minute
+DEEP = 10_000  # far past any parser's recursion limit
+
+
+def _auth(key: str, anthropic: bool = False) -> dict[str, str]:
+    return {"x-api-key": key} if anthropic else {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adversarial")
+    tenants = write_tenants_file(folder / "tenants.toml", {
+        "a": {"keys": [KEY_A], "plan": "standard"},
+        "b": {"keys": [KEY_B], "plan": "standard"},
+        "metered": {"keys": [KEY_METERED], "plan": "standard", "requests_per_minute": 5},
+        "frugal": {"keys": [KEY_FRUGAL], "plan": "standard", "tokens_per_minute": 1000},
+    }, admin_keys=[ADMIN_KEY])
+    process = Process("adversarial", ["serve", "--model", str(stories_dir), "--port", "0", "--data-dir", str(folder),
+                                      "--tenants", str(tenants), "--num-blocks", "256", "--max-num-seqs", "16"],
+                      0, folder, {})
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def _metric(server: Process, name: str) -> float:
+    text = requests.get(server.url + "/metrics", headers=_auth(ADMIN_KEY), timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _bill(server: Process, key: str) -> dict:
+    body = requests.get(server.url + "/v1/usage", headers=_auth(key), timeout=10).json()
+    return {k: v for k, v in body.items() if k != "pending_records"}
+
+
+@pytest.fixture
+def well(server):
+    """The server is well after the test: it answers, and holds no page for a request."""
+    yield
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert _metric(server, "pagedserve_kv_blocks_in_use") == 0
+
+
+@pytest.fixture
+def unbilled(server, well):
+    """... and what the test sent was refused whole: no tenant's bill moved."""
+    bills = {key: _bill(server, key) for key in (KEY_A, KEY_B)}
+    yield
+    assert {key: _bill(server, key) for key in (KEY_A, KEY_B)} == bills
+
+
+def _deep(leaf: str = "1") -> str:
+    return '{"a":' * DEEP + leaf + "}" * DEEP
+
+
+USER = '"model":"stories260K","messages":[{"role":"user","content":"hi"}]'
+DEEP_BODIES = {  # (route, body): a nested value in each place a caller can put one
+    "chat metadata": ("/v1/chat/completions", '{' + USER + ',"max_tokens":1,"metadata":' + _deep() + "}"),
+    "chat guided_json": ("/v1/chat/completions", "{" + USER + ',"max_tokens":1,"guided_json":' + _deep() + "}"),
+    "chat response_format anyOf": ("/v1/chat/completions", "{" + USER + ',"max_tokens":1,"response_format":{"type":'
+                                   '"json_schema","json_schema":{"name":"x","schema":' + '{"anyOf":[' * 2000
+                                   + '{"type":"string"}' + "]}" * 2000 + "}}}"),
+    "chat schema as text": ("/v1/chat/completions", "{" + USER + ',"max_tokens":1,"guided_json":'
+                            + json.dumps(_deep()) + "}"),
+    "completions": ("/v1/completions", '{"prompt":"hi","max_tokens":1,"logit_bias":' + _deep() + "}"),
+    "tokenize": ("/tokenize", '{"prompt":' + _deep() + "}"),
+    "detokenize": ("/detokenize", '{"tokens":' + "[" * DEEP + "]" * DEEP + "}"),
+    "messages tools": ("/v1/messages", '{"max_tokens":1,' + USER + ',"tools":[{"name":"f",'
+                       '"input_schema":' + _deep() + "}]}"),
+    "count_tokens": ("/v1/messages/count_tokens", '{' + USER + ',"system":' + _deep() + "}"),
+    "responses tools": ("/v1/responses", '{"model":"stories260K","input":"hi","max_output_tokens":1,"tools":'
+                        '[{"type":"function","name":"f","parameters":' + _deep() + "}]}"),
+    "pin": ("/v1/pinned-prefixes", '{"id":"p","text":' + _deep() + "}"),
+}
+
+
+@pytest.mark.parametrize("case", DEEP_BODIES)
+def test_deep_json_is_a_400_in_the_apis_shape(server, unbilled, case):
+    path, body = DEEP_BODIES[case]
+    anthropic = path.startswith("/v1/messages")
+    response = requests.post(server.url + path, data=body, timeout=30,
+                             headers={"Content-Type": "application/json", **_auth(KEY_B, anthropic)})
+    assert response.status_code == 400, response.text
+    error = response.json()
+    if anthropic:
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert "levels deep" in error["error"]["message"]
+    else:
+        assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == "json_too_deep"
+
+
+def test_tool_call_arguments_nested_past_the_limit_stay_text(server, unbilled):
+    """Arguments are text the template may show as an object: past the depth limit they are shown as the
+    text they are (never parsed), here too long for stories260K's 512-token context."""
+    body = {"model": "stories260K", "max_tokens": 1, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": _deep()}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "x"}]}
+    response = requests.post(server.url + "/v1/chat/completions", json=body, headers=_auth(KEY_B), timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+WIDE_BODIES = {  # (route, body, the code): within the depth limit, past a count
+    "chat with 5,000 tools": ("/v1/chat/completions", {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(5000)]},
+                              "too_many_tools"),
+    "chat with 10,000 messages": ("/v1/chat/completions", {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}] * 10_000,
+                                  "max_tokens": 1}, "too_many_messages"),
+    "a schema of 40,000 values": ("/v1/chat/completions", {
+        "model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}}}}},
+        "schema_too_large"),
+    "tools' schemas of 40,000 values": ("/v1/chat/completions", {
+        "model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "tools": [{"type": "function", "function": {"name": f"f{t}", "parameters": {
+            "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}}} for t in range(10)]},
+        "schema_too_large"),
+}
+
+
+@pytest.mark.parametrize("case", WIDE_BODIES)
+def test_wide_json_is_a_400_naming_the_limit(server, unbilled, case):
+    path, body, code = WIDE_BODIES[case]
+    response = requests.post(server.url + path, json=body, headers=_auth(KEY_B), timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == code, response.text
+
+
+@pytest.mark.parametrize("path, frame, then", [
+    ("/v1/stream", '{"type":"request","id":"deep","body":' + _deep() + "}",
+     {"type": "request", "id": "ok", "body": {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}),
+    ("/v1/responses", '{"type":"response.create","input":' + _deep() + "}",
+     {"type": "response.create", "model": "stories260K", "input": "hi", "max_output_tokens": 2}),
+])
+def test_a_deep_websocket_frame_gets_an_error_frame_and_the_socket_serves_on(server, well, path, frame, then):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.url + path, headers=_auth(KEY_B)) as ws:
+                await ws.send_str(frame)
+                error = await ws.receive_json(timeout=30)
+                await ws.send_json(then)  # the same socket still serves
+                while True:
+                    event = await ws.receive_json(timeout=30)
+                    if event["type"] in ("done", "response.completed", "response.incomplete", "error"):
+                        return error, event
+
+    error, last = asyncio.run(main())
+    assert error["type"] == "error" and error["error"]["code"] == "json_too_deep"
+    assert last["type"] != "error", last
+
+
+def _a_fresh_minute() -> None:
+    """Limits count calendar minutes: start where five requests cannot straddle two."""
+    if time.time() % 60 > 45:
+        time.sleep(60 - time.time() % 60 + 0.5)
+
+
+def test_requests_refused_or_never_generating_count_against_the_requests_limit(server):
+    _a_fresh_minute()
+    anthropic = {"Content-Type": "application/json", "anthropic-version": "2023-06-01", **_auth(KEY_METERED, True)}
+    sent = [
+        requests.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=_auth(KEY_METERED), timeout=30),
+        requests.post(server.url + "/detokenize", json={"tokens": [1, 2]}, headers=_auth(KEY_METERED), timeout=30),
+        requests.post(server.url + "/v1/messages/count_tokens", headers=anthropic, timeout=30,
+                      json={"model": "stories260K", "messages": [{"role": "user", "content": "hi"}]}),
+        requests.post(server.url + "/v1/chat/completions", headers=_auth(KEY_METERED), timeout=30,
+                      json={"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
+        requests.post(server.url + "/v1/chat/completions", headers=_auth(KEY_METERED), timeout=30,
+                      json={"model": "stories260K", "messages": [{"role": "user", "content": "hi " * 2000}]}),
+    ]
+    sixth = requests.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=_auth(KEY_METERED), timeout=30)
+    assert [r.status_code for r in sent] == [200, 200, 200, 400, 400], [r.text for r in sent]
+    assert sixth.status_code == 429 and sixth.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(sixth.headers["Retry-After"]) <= 60
+
+
+def test_a_body_past_the_tokens_limit_is_refused_before_it_is_read(server, well):
+    _a_fresh_minute()
+    body = {"prompt": "the cat sat on the mat. " * 1000}  # ~24 KB: charged ~1,500 tokens on arrival
+    refused = requests.post(server.url + "/tokenize", json=body, headers=_auth(KEY_FRUGAL), timeout=30)
+    assert refused.status_code == 429, refused.text
+    assert "tokens_per_minute" in refused.json()["error"]["message"]
+
+
+def test_a_flood_of_big_bodies_leaves_the_other_tenant_served(server, well):
+    """Tenant B keeps 16 x 1 MB /tokenize and oversize chats in flight; tenant A's chats and /health are
+    answered all along (bench/bench_tenant_flood.py measures how fast), and B's are answered too."""
+    text = "the cat sat on the mat. " * 43_000  # 1,032,000 bytes: under the 1 MiB body limit
+    floods = [("/tokenize", {"prompt": text}), ("/v1/chat/completions", {"model": "stories260K", "max_tokens": 1,
+                                                                       "messages": [{"role": "user", "content": text}]})]
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def post(key, path, body):
+                async with session.post(server.url + path, json=body, headers=_auth(key)) as response:
+                    return response.status, await response.json()
+
+            flood = [asyncio.ensure_future(post(KEY_B, *floods[i % 2])) for i in range(16)]
+            answers = []
+            while not all(f.done() for f in flood) or len(answers) < 3:
+                async with session.get(server.url + "/health") as health:
+                    answers.append(("health", health.status))
+                answers.append(await post(KEY_A, "/v1/chat/completions", {
+                    "model": "stories260K", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}))
+            return await asyncio.gather(*flood), answers
+
+    flood, answers = asyncio.run(main())
+    assert [status for status, _ in flood] == [200, 400] * 8
+    assert flood[0][1]["count"] > 100_000
+    assert all(body["error"]["code"] == "context_length_exceeded" for _, body in flood[1::2])
+    assert all((answer[1] == 200) if answer[0] == "health" else (answer[0] == 200) for answer in answers), answers

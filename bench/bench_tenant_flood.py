@@ -9,6 +9,8 @@ GETs /health every 20 ms, for PHASE_S seconds. Phases:
 alone      nothing else runs
 tokenize   tenant B keeps 16 POST /tokenize of a 1 MB prompt (1,032,000 bytes) in flight (each a new one when one ends)
 oversize   tenant B keeps 16 chats of the same 1 MB as a message in flight (each refused: context_length_exceeded)
+slowloris  500 sockets from 127.0.0.2 each send a request head one byte a second (for SLOWLORIS_S, longer than
+           the server's 15 s idle_timeout_s): how many the server closed, and how long each was held
 
 run alternated (alone tokenize oversize, then reversed, ...), --repeats times. Reported per
 phase: A's chat latency p50 / p99, /health p50 / p99, B's requests answered, and the goals'
@@ -39,7 +41,8 @@ KEY_A, KEY_B = "sk-bench-a", "sk-bench-b"
 FLOOD_IN_FLIGHT = 16
 FLOOD_REPEATS = 43_000  # "the cat sat on the mat. " x 43,000: 1,032,000 bytes, under the 1 MiB body limit
 PROBE_EVERY_S = 0.02
-PHASES = ("alone", "tokenize", "oversize")
+PHASES = ("alone", "tokenize", "oversize", "slowloris")
+SLOWLORIS_SOCKETS, SLOWLORIS_FROM, SLOWLORIS_S = 500, "127.0.0.2", 20.0
 
 
 def _flood_bodies() -> dict[str, bytes]:
@@ -92,13 +95,46 @@ async def _flood_worker(session: aiohttp.ClientSession, url: str, body: bytes, s
             answered.append(response.status)
 
 
+async def _slow_head(host: str, port: int, stop_at: float) -> float | None:
+    """A head sent a byte a second until the server closes the socket: seconds it was held, or None (still open,
+    or refused before the connection was made)."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port, local_addr=(SLOWLORIS_FROM, 0))
+    except OSError:
+        return None
+    opened = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    try:
+        for i in range(len(head)):
+            if time.monotonic() >= stop_at:
+                return None
+            writer.write(head[i: i + 1])
+            try:
+                if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                    return time.monotonic() - opened
+            except asyncio.TimeoutError:
+                continue
+        return None
+    except (ConnectionError, OSError):
+        return time.monotonic() - opened
+    finally:
+        writer.close()
+
+
 async def _phase(url: str, phase: str, bodies: dict[str, bytes], phase_s: float) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
     connector = aiohttp.TCPConnector(limit=FLOOD_IN_FLIGHT + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         answered: list[int] = []
         flood = []
-        if phase != "alone":
+        held: list[float | None] = []
+        if phase == "slowloris":
+            host, port = url.removeprefix("http://").split(":")
+            slow_stop = time.monotonic() + SLOWLORIS_S + 2.0
+            slow = asyncio.gather(*(_slow_head(host, int(port), slow_stop) for _ in range(SLOWLORIS_SOCKETS)))
+            await asyncio.sleep(1.0)
+            phase_s = SLOWLORIS_S
+        elif phase != "alone":
             flood_stop = time.monotonic() + phase_s + 1.0
             body = bodies[phase].replace(b"{model}", (await _model_id(session, url)).encode())
             flood = [asyncio.ensure_future(_flood_worker(session, url + FLOOD_PATHS[phase], body, flood_stop,
@@ -107,10 +143,15 @@ async def _phase(url: str, phase: str, bodies: dict[str, bytes], phase_s: float)
         stop_at = time.monotonic() + phase_s
         chats, health = await asyncio.gather(_chats(session, url, stop_at), _probe(session, url, stop_at))
         await asyncio.gather(*flood)
+        if phase == "slowloris":
+            held = await slow
     statuses = sorted(set(answered))
+    closed = [s for s in held if s is not None]
+    slow_stats = {"slow_sockets": len(held), "slow_closed": len(closed), "slow_held_max_s": max(closed, default=0.0),
+                  "slow_held_p50_s": median(closed)} if held else {}
     return {"a_chat_p50_s": median(chats), "a_chat_p99_s": percentile(chats, 0.99), "a_chats": len(chats),
             "health_p50_ms": 1000 * median(health), "health_p99_ms": 1000 * percentile(health, 0.99),
-            "b_answered": len(answered), "b_statuses": statuses}
+            "b_answered": len(answered), "b_statuses": statuses, **slow_stats}
 
 
 def _worktree(ref: str, folder: Path) -> Path:
@@ -165,7 +206,9 @@ def main() -> None:
                 runs[name][phase].append(result)
                 log(f"{name} {phase} repeat {r + 1}/{repeats} ({i}/{len(plan)}): A p99 {result['a_chat_p99_s']:.3f}s "
                     f"/health p99 {result['health_p99_ms']:.1f}ms, B answered {result['b_answered']} "
-                    f"{result['b_statuses']}")
+                    f"{result['b_statuses']}" + (f", slow heads closed {result['slow_closed']}/{result['slow_sockets']}"
+                                                 f" (held at most {result['slow_held_max_s']:.1f}s)"
+                                                 if "slow_sockets" in result else ""))
         finally:
             for proc in procs.values():
                 stop_process(proc)
@@ -182,6 +225,10 @@ def main() -> None:
                 "a_chat_p99_s": flood_p99, "a_chat_p99_ratio": flood_p99 / alone_p99,
                 "health_p99_ms": median([run["health_p99_ms"] for run in runs[name][phase]]),
                 "b_answered": median([run["b_answered"] for run in runs[name][phase]])}
+            if phase == "slowloris":
+                summary[name][phase] |= {key: max(run[key] for run in runs[name][phase])
+                                         for key in ("slow_held_max_s",)} | {
+                    key: min(run[key] for run in runs[name][phase]) for key in ("slow_closed",)}
         log(f"{name}: {summary[name]}")
     path = write_result("tenant_flood", args.quick, {
         "machine": machine_info(), "model": args.model, "phase_s": phase_s, "repeats": repeats,

@@ -24,7 +24,7 @@ from service.prefix_index import MemoryPrefixIndex, RedisPrefixIndex
 from service.rate_limit import LocalRateLimiter, RedisRateLimiter
 from service.redis_pool import create_redis
 from service.tenants import TenantDirectory
-from service.errors import error_middleware
+from service.errors import APIError, error_middleware
 from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
 from service.api.messages import count_tokens, messages
@@ -50,8 +50,23 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    """GET /metrics: an operator's page. With tenants it needs an admin key, unless server.open_metrics
+    opens it to anyone, without the series that name tenants (an admin key still gets them)."""
+    state = request.app[STATE]
+    with_tenants = state.tenants.is_open or _is_admin(state, request)
+    if not with_tenants and not state.settings.server.open_metrics:
+        raise APIError(403, "/metrics needs an admin key", None, "admin_key_required")
+    body = state.metrics.render(with_tenants)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _is_admin(state, request: web.Request) -> bool:
+    try:
+        return state.authenticate(request).is_admin
+    except APIError:
+        if state.settings.server.open_metrics:
+            return False
+        raise
 
 
 def build_stores(settings: Settings):

@@ -111,6 +111,15 @@ class EngineStatsCollector:
         yield per_position
 
 
+TENANT_SERIES = b"pagedserve_tenant_"
+
+
+def _names_a_tenant(line: bytes) -> bool:
+    """A sample, HELP or TYPE line of a per-tenant family."""
+    return line.startswith(TENANT_SERIES) or line.startswith(b"# HELP " + TENANT_SERIES) \
+        or line.startswith(b"# TYPE " + TENANT_SERIES)
+
+
 class ServiceMetrics:
     """Request-level counters and latency histograms, plus the engine collector."""
 
@@ -152,5 +161,9 @@ class ServiceMetrics:
             self.itl.observe(gap)
         self.e2e.observe(elapsed)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, with_tenants: bool = True) -> bytes:
+        """The Prometheus page; without the per-tenant series (pagedserve_tenant_*) for an open /metrics."""
+        page = generate_latest(self.registry)
+        if with_tenants:
+            return page
+        return b"".join(line for line in page.splitlines(keepends=True) if not _names_a_tenant(line))

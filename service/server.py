@@ -12,10 +12,10 @@ import signal
 import sys
 
 import structlog
-from aiohttp import web
 
 from config import Settings
 from service.app import create_app, drain, load_engine
+from service.connections import make_runner, start_site
 from service.startup import as_startup_error, bound_port, close_quietly, preflight, run_until_stopped
 
 log = structlog.get_logger(__name__)
@@ -31,10 +31,10 @@ async def serve(settings: Settings, ready_message: bool = True, engine_factory=l
     sock = preflight(server.host, server.port, server.model if engine_factory is load_engine else None,
                      settings.distributed.discovery_dir if settings.distributed.router == "dynamo" else None)
     app = create_app(settings, engine_factory)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = make_runner(app, server.idle_timeout_s)
     try:
         await runner.setup()  # builds the engine, or joins the workers (app.py's lifetime)
-        await web.SockSite(runner, sock).start()
+        await start_site(runner, sock, server.max_connections_per_ip)
     except Exception as exc:
         sock.close()
         await close_quietly(runner.cleanup)

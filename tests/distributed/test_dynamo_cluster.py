@@ -263,8 +263,8 @@ def test_a_pin_is_placed_on_every_worker(cluster):
 
 
 def _gauges(url: str) -> dict[str, str]:
-    """The vllm:* lines of a /metrics page: name{labels} -> value."""
-    text = requests.get(url + "/metrics", timeout=5).text
+    """The vllm:* lines of a /metrics page (read with the admin key): name{labels} -> value."""
+    text = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=5).text
     return dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("vllm:"))
 
 

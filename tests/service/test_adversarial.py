@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import aiohttp
@@ -21,6 +22,8 @@ from tests.service.conftest import write_tenants_file
 KEY_A, KEY_B, ADMIN_KEY = "sk-tenant-a", "sk-tenant-b", "sk-admin"
 KEY_METERED, KEY_FRUGAL = "sk-tenant-metered", "sk-tenant-frugal"  # 5 requests a minute; 1,000 tokens a minute
 DEEP = 10_000  # far past any parser's recursion limit
+IDLE_TIMEOUT_S, MAX_CONNECTIONS_PER_IP = 3.0, 64
+ATTACKER, OTHER_ATTACKER = "127.0.0.2", "127.0.0.3"  # loopback addresses apart from the tests' own 127.0.0.1
 
 
 def _auth(key: str, anthropic: bool = False) -> dict[str, str]:
@@ -38,7 +41,8 @@ def server(stories_dir, tmp_path_factory):
     }, admin_keys=[ADMIN_KEY])
     process = Process("adversarial", ["serve", "--model", str(stories_dir), "--port", "0", "--data-dir", str(folder),
                                       "--tenants", str(tenants), "--num-blocks", "256", "--max-num-seqs", "16"],
-                      0, folder, {})
+                      0, folder, {"PAGEDSERVE_SERVER_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S),
+                                  "PAGEDSERVE_SERVER_MAX_CONNECTIONS_PER_IP": str(MAX_CONNECTIONS_PER_IP)})
     try:
         process.wait_ready()
         yield process
@@ -237,3 +241,87 @@ def test_a_flood_of_big_bodies_leaves_the_other_tenant_served(server, well):
     assert flood[0][1]["count"] > 100_000
     assert all(body["error"]["code"] == "context_length_exceeded" for _, body in flood[1::2])
     assert all((answer[1] == 200) if answer[0] == "health" else (answer[0] == 200) for answer in answers), answers
+
+
+def _connect_from(address: str, server: Process) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((address, 0))
+    sock.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
+    """True once the server closed `sock` (EOF or reset) within `timeout_s`."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_slowloris_heads_and_silent_sockets_are_closed_by_the_header_timeout(server, well):
+    socks = [_connect_from(ATTACKER, server) for _ in range(32)]
+    opened = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 64
+    try:
+        for i in range(int(IDLE_TIMEOUT_S / 0.25) + 8):  # a byte every 0.25 s per socket, past the timeout
+            for sock in socks[: len(socks) // 2]:  # half send a slow head, half send nothing
+                try:
+                    sock.send(head[i: i + 1])
+                except OSError:
+                    pass
+            if i % 4 == 0:
+                assert requests.get(server.url + "/health", timeout=5).status_code == 200  # others are served
+            time.sleep(0.25)
+        closed = [_closed_by_server(sock, max(0.1, opened + IDLE_TIMEOUT_S + 5 - time.monotonic())) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert all(closed), f"{closed.count(False)} of {len(socks)} sockets still open"
+
+
+def test_a_long_request_outlives_the_idle_timeout(server, well):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.url + "/v1/stream", headers=_auth(KEY_A)) as ws:
+                await asyncio.sleep(IDLE_TIMEOUT_S + 1)  # an upgraded socket is a request being handled
+                await ws.send_json({"type": "request", "id": "late", "body": {
+                    "model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}})
+                while (event := await ws.receive_json(timeout=30))["type"] not in ("done", "error"):
+                    pass
+                return event
+
+    assert asyncio.run(main())["type"] == "done"
+
+
+def test_an_address_past_its_connection_cap_is_refused_and_others_are_not(server, well):
+    socks = [_connect_from(OTHER_ATTACKER, server) for _ in range(MAX_CONNECTIONS_PER_IP)]
+    try:
+        time.sleep(0.2)  # the server has taken them all
+        one_more = _connect_from(OTHER_ATTACKER, server)
+        refused = _closed_by_server(one_more, 2.0)
+        one_more.close()
+        served = requests.get(server.url + "/health", timeout=5).status_code  # from 127.0.0.1
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.2)  # their closes reach the server
+    again = _connect_from(OTHER_ATTACKER, server)
+    try:
+        again.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        again.settimeout(5)
+        answer = again.recv(4096)
+    finally:
+        again.close()
+    assert refused and served == 200
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_metrics_need_the_admin_key(server):
+    assert requests.get(server.url + "/metrics", timeout=10).status_code == 401
+    tenant = requests.get(server.url + "/metrics", headers=_auth(KEY_A), timeout=10)
+    assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "admin_key_required"
+    admin = requests.get(server.url + "/metrics", headers=_auth(ADMIN_KEY), timeout=10)
+    assert admin.status_code == 200 and "pagedserve_kv_blocks_in_use" in admin.text

@@ -37,7 +37,7 @@ def test_tenants_are_served_and_counted_by_their_plan_weight(server):
                                           temperature=0, extra_body={"priority": -2, "ignore_eos": True})
         assert reply.usage.completion_tokens == 8
     server.wait_idle()
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).text
     for tenant in ("light", "heavy"):
         assert _metric(text, "pagedserve_tenant_served_output_tokens_total", tenant) == 8
         assert _metric(text, "pagedserve_tenant_requests_waiting", tenant) == 0

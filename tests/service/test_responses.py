@@ -35,7 +35,8 @@ def server(random_checkpoints, tmp_path_factory):
     model = make_hermes_checkpoint(random_checkpoints["qwen2"], root / MODEL)
     tenants = write_tenants_file(root / "tenants.toml", {"acme": {"keys": [KEY], "plan": "standard"},
                                                          "globex": {"keys": [OTHER_KEY], "plan": "standard"}})
-    settings = stories_settings(model, {"tenants_file": str(tenants)}, num_blocks=1024, max_num_seqs=16)
+    settings = stories_settings(model, {"tenants_file": str(tenants), "open_metrics": True}, num_blocks=1024,
+                                max_num_seqs=16)
     with run_server(settings) as running:
         yield running
 
@@ -373,7 +374,8 @@ def test_metrics_and_the_dashboard_count_requests_by_api(server, client):
     requests.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=30, json={
         "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).raise_for_status()
     _chat(client, [{"role": "user", "content": "Hi"}], 1)
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", timeout=10).text  # open_metrics: no key, no tenant's series
+    assert "pagedserve_tenant_" not in text and "pagedserve_kv_blocks_in_use" in text
     counts = {line.split('api="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("pagedserve_api_requests_total{")}
     assert counts["responses"] >= 1 and counts["messages"] >= 1 and counts["chat.completions"] >= 1

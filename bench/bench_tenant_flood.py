@@ -61,9 +61,9 @@ async def _model_id(session: aiohttp.ClientSession, url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-async def _chats(session: aiohttp.ClientSession, url: str, stop_at: float) -> list[float]:
+async def _chats(session: aiohttp.ClientSession, url: str, model: str, stop_at: float) -> list[float]:
     latencies = []
-    body = {"model": await _model_id(session, url), "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     while time.monotonic() < stop_at:
         start = time.perf_counter()
         async with session.post(url + "/v1/chat/completions", json=body,
@@ -128,6 +128,7 @@ async def _phase(url: str, phase: str, bodies: dict[str, bytes], phase_s: float)
         answered: list[int] = []
         flood = []
         held: list[float | None] = []
+        model = await _model_id(session, url)  # before any flood
         if phase == "slowloris":
             host, port = url.removeprefix("http://").split(":")
             slow_stop = time.monotonic() + SLOWLORIS_S + 2.0
@@ -136,12 +137,12 @@ async def _phase(url: str, phase: str, bodies: dict[str, bytes], phase_s: float)
             phase_s = SLOWLORIS_S
         elif phase != "alone":
             flood_stop = time.monotonic() + phase_s + 1.0
-            body = bodies[phase].replace(b"{model}", (await _model_id(session, url)).encode())
+            body = bodies[phase].replace(b"{model}", model.encode())
             flood = [asyncio.ensure_future(_flood_worker(session, url + FLOOD_PATHS[phase], body, flood_stop,
                                                          answered)) for _ in range(FLOOD_IN_FLIGHT)]
             await asyncio.sleep(1.0)  # the flood is in full swing before A is measured
         stop_at = time.monotonic() + phase_s
-        chats, health = await asyncio.gather(_chats(session, url, stop_at), _probe(session, url, stop_at))
+        chats, health = await asyncio.gather(_chats(session, url, model, stop_at), _probe(session, url, stop_at))
         await asyncio.gather(*flood)
         if phase == "slowloris":
             held = await slow

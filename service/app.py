@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from config import Settings
 from runtime.kv_events import KVEvent, net_hashes
-from service.api.accounts import create_pin, delete_pin, list_pins, pin_prefix, prefix_index_lookup, usage
+from service.api.accounts import create_pin, delete_pin, list_pins, prefix_index_lookup, restore_pin, usage
 from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
 from service.api import dashboard
 from service.billing.journal import UsageJournal
@@ -148,7 +148,7 @@ async def _restore_pins(state: ServiceState) -> None:
         return
     for pin in pins:
         try:
-            await pin_prefix(state, pin.tenant, pin.pin_id, pin.text)
+            await restore_pin(state, pin)
             log.info("pinned prefix restored", tenant=pin.tenant, pin_id=pin.pin_id)
         except Exception as exc:
             log.warning("pinned prefix not restored", tenant=pin.tenant, pin_id=pin.pin_id, error=str(exc))

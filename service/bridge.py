@@ -122,7 +122,7 @@ class Bridge(Protocol):
     def submit(self, stream: RequestStream, request: Request) -> None: ...
     def abort(self, request_id: str) -> None: ...
     async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
-                  shared_prefix_len: int = 0) -> None: ...
+                  shared_prefix_len: int = 0) -> int: ...
     async def unpin(self, pin_id: str) -> bool: ...
     async def page_map(self) -> dict: ...
     async def stop(self) -> None: ...
@@ -251,14 +251,15 @@ class EngineBridge(StreamsInFlight):
         self.inbox.put(_Add(stream, request))
 
     async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
-                  shared_prefix_len: int = 0) -> None:
-        """Prefill a prefix and hold its pages (engine.pin_prefix); returns once they are pinned.
+                  shared_prefix_len: int = 0) -> int:
+        """Prefill a prefix and hold its pages (engine.pin_prefix); once they are pinned, the prefill's cached
+        tokens (the rest were computed: its tenant's bill).
 
         Raises what the engine raised (e.g. the pin budget) or RuntimeError if the prefill was stopped.
         """
         done = self.loop.create_future()
         self.inbox.put(_Pin(pin_id, prompt_token_ids, cache_salt, shared_prefix_len, done))
-        await done
+        return await done
 
     async def unpin(self, pin_id: str) -> bool:
         done = self.loop.create_future()
@@ -369,7 +370,7 @@ class EngineBridge(StreamsInFlight):
                 done = self._pin_futures.pop(output.request_id)
                 aborted = output.outputs[0].finish_reason == "abort"
                 error = RuntimeError("the pin's prefill was stopped") if aborted else None
-                self.loop.call_soon_threadsafe(_settle, done, not aborted, error)
+                self.loop.call_soon_threadsafe(_settle, done, output.num_cached_tokens, error)
         for request_id, error in failed.items():
             done = self._pin_futures.pop(request_id, None)
             if done is not None:

@@ -21,18 +21,20 @@ from service.sqlite_thread import SQLiteThread
 
 
 class Pin(msgspec.Struct, frozen=True):
-    """A prefix an operator pinned for a tenant; created_at is the time of its latest add (unix s)."""
+    """A prefix pinned for a tenant; created_at is the time of its latest add (unix s). by_operator: an admin
+    key pinned it (its pages are not the tenant's to count, its prefill not the tenant's to pay)."""
 
     tenant: str
     pin_id: str
     text: str
     created_at: float
+    by_operator: bool = False
 
 
 class PinRegistry(Protocol):
     """Where pins are kept. Every method is a coroutine on the service's loop."""
 
-    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+    async def add(self, tenant: str, pin_id: str, text: str, by_operator: bool = False) -> None:
         """Insert or replace the pin (tenant, pin_id)."""
 
     async def remove(self, tenant: str, pin_id: str) -> bool:
@@ -51,9 +53,17 @@ CREATE TABLE IF NOT EXISTS pins (
     pin_id TEXT NOT NULL,
     text TEXT NOT NULL,
     created_at REAL NOT NULL,
+    by_operator INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, pin_id)
 );
 """
+
+
+def _add_by_operator(conn) -> None:
+    """A pins table from before operator pins were told apart: every pin in it was the tenant's own."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(pins)")}
+    if "by_operator" not in columns:
+        conn.execute("ALTER TABLE pins ADD COLUMN by_operator INTEGER NOT NULL DEFAULT 0")
 
 
 class SQLitePinRegistry:
@@ -62,15 +72,16 @@ class SQLitePinRegistry:
     def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self._clock = clock
-        self._db = SQLiteThread(path, _SCHEMA, name="sqlite-pins")
+        self._db = SQLiteThread(path, _SCHEMA, name="sqlite-pins", migrate=_add_by_operator)
 
-    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+    async def add(self, tenant: str, pin_id: str, text: str, by_operator: bool = False) -> None:
         """Insert or replace the pin (tenant, pin_id)."""
         def upsert() -> None:
             self._db.conn.execute(
-                "INSERT INTO pins (tenant, pin_id, text, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (tenant, pin_id)"
-                " DO UPDATE SET text = excluded.text, created_at = excluded.created_at",
-                (tenant, pin_id, text, self._clock()))
+                "INSERT INTO pins (tenant, pin_id, text, created_at, by_operator) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (tenant, pin_id) DO UPDATE SET text = excluded.text, created_at = excluded.created_at,"
+                " by_operator = excluded.by_operator",
+                (tenant, pin_id, text, self._clock(), int(by_operator)))
         await self._db.call(upsert)
 
     async def remove(self, tenant: str, pin_id: str) -> bool:
@@ -83,8 +94,10 @@ class SQLitePinRegistry:
     async def list(self) -> list[Pin]:
         """Every pin, ordered by (tenant, pin_id)."""
         def select() -> list[Pin]:
-            rows = self._db.conn.execute("SELECT tenant, pin_id, text, created_at FROM pins ORDER BY tenant, pin_id")
-            return [Pin(*row) for row in rows]
+            rows = self._db.conn.execute(
+                "SELECT tenant, pin_id, text, created_at, by_operator FROM pins ORDER BY tenant, pin_id")
+            return [Pin(tenant, pin_id, text, created_at, bool(by_operator))
+                    for tenant, pin_id, text, created_at, by_operator in rows]
         return await self._db.call(select)
 
     async def close(self) -> None:
@@ -106,9 +119,9 @@ class RedisPinRegistry:
     def _field(tenant: str, pin_id: str) -> bytes:
         return msgspec.json.encode([tenant, pin_id])
 
-    async def add(self, tenant: str, pin_id: str, text: str) -> None:
+    async def add(self, tenant: str, pin_id: str, text: str, by_operator: bool = False) -> None:
         """Insert or replace the pin (tenant, pin_id)."""
-        pin = Pin(tenant, pin_id, text, self._clock())
+        pin = Pin(tenant, pin_id, text, self._clock(), by_operator)
         await self._redis.hset(self._key, self._field(tenant, pin_id), msgspec.json.encode(pin))
 
     async def remove(self, tenant: str, pin_id: str) -> bool:

@@ -175,16 +175,21 @@ class LocalRateLimiter:
         """Nothing to release."""
 
 
-# KEYS: window hash, leases zset
-# ARGV: rpm, tpm, max_concurrent (-1: none), num_tokens, lease_id, lease_ttl_s, now ('' = server TIME)
-_ACQUIRE_LUA = """
+def _now_lua(argv_index: int) -> str:
+    """Lua setting `now`: ARGV[argv_index] as unix seconds, or the Redis server's clock where it is ''."""
+    return f"""
 local now
-if ARGV[7] == '' then
+if ARGV[{argv_index}] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 else
-  now = tonumber(ARGV[7])
-end
+  now = tonumber(ARGV[{argv_index}])
+end"""
+
+
+# KEYS: window hash, leases zset
+# ARGV: rpm, tpm, max_concurrent (-1: none), num_tokens, lease_id, lease_ttl_s, now ('' = server TIME)
+_ACQUIRE_LUA = _now_lua(7) + """
 local window = math.floor(now / 60)
 local retry = math.max(1, math.ceil((window + 1) * 60 - now))
 local rpm, tpm, max_concurrent = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -212,14 +217,7 @@ return {'', 0, window}
 """
 
 # KEYS: window hash; ARGV: tpm (-1: none), num_tokens, now ('' = server TIME)
-_EXTEND_LUA = """
-local now
-if ARGV[3] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-else
-  now = tonumber(ARGV[3])
-end
+_EXTEND_LUA = _now_lua(3) + """
 local window = math.floor(now / 60)
 local tpm, num_tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
 local state = redis.call('HMGET', KEYS[1], 'window', 'tokens')

@@ -20,6 +20,7 @@ from service.admission import AdmissionTimeout, FairAdmission
 from service.errors import APIError
 from service.grammars import LoopCompiles
 from service.metrics import ServiceMetrics
+from service.pin_budget import PinBudget
 from service.pins import PinRegistry
 from service.prefix_index import PrefixIndex
 from service.preprocessing import Preprocessing
@@ -53,6 +54,7 @@ class ServiceState:
     preprocessing: Preprocessing = field(init=False)  # bodies parsed and tokenized off the loop, a line per tenant
     admission: FairAdmission = field(init=False)  # places in flight, fair across tenants when they run out
     tenant_weights: dict[str, float] = field(init=False)  # plan weights by tenant id
+    pin_budget: PinBudget = field(init=False)  # each tenant's share of the pinned pages
 
     def __post_init__(self) -> None:
         self.grammar_compiles = LoopCompiles(self.engine.grammars)
@@ -61,6 +63,8 @@ class ServiceState:
         self.admission = FairAdmission(lambda: self.capacity, self.bridge.inflight_sequences_by_tenant,
                                        self.settings.server.admission_wait_s)
         self.tenant_weights = {t.tenant_id: t.weight for t in self.tenants.tenants.values()}
+        pool_pages = getattr(self.engine, "pinned_block_budget", self.settings.engine.pinned_block_budget)
+        self.pin_budget = PinBudget(pool_pages, max(1, len(self.tenants.tenants)))
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, keeping a reference until it ends."""

@@ -8,6 +8,8 @@ The tenants file (TOML, `--tenants FILE`; example in config/tenants.example.toml
     cached_input_per_mtok = 0.05
     output_per_mtok = 1.50
     weight = 1                             # share of the engine under engine.scheduling = "fair" (default 1)
+    pinned_pages = 16                      # KV pages the tenant's pins may hold (default: an equal share of
+                                           # engine.pinned_block_budget among the tenants)
     [plans.standard.models."stories260K"]  # optional per-model prices
     input_per_mtok = 0.10 ...
     [tenants.acme]
@@ -25,6 +27,7 @@ With no file the server runs open: every caller is tenant "default" on a free pl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
@@ -51,6 +54,7 @@ class PlanPrices(msgspec.Struct, forbid_unknown_fields=True):
 class PlanConfig(PlanPrices, forbid_unknown_fields=True):
     models: dict[str, PlanPrices] = {}
     weight: float = 1.0  # the plan's share under fair scheduling (runtime/fairness.py)
+    pinned_pages: int | None = None  # pages its tenants' pins may hold each; None: an equal share of the pin budget
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -92,6 +96,7 @@ class Tenant:
     limits: Limits = field(default_factory=Limits)
     is_admin: bool = False
     weight: float = 1.0  # its plan's share of the engine under fair scheduling
+    pinned_pages: int | None = None  # pages its pins may hold (service/pin_budget.py); None: an equal share
 
     def price_plan(self, model: str) -> PricePlan:
         return self.model_plans.get(model, self.plan)
@@ -136,10 +141,13 @@ class TenantDirectory:
             plan_config = spec.plans[config.plan]
             if not plan_config.weight > 0:
                 raise ConfigError(f"plans.{config.plan}.weight must be > 0, got {plan_config.weight}")
+            if plan_config.pinned_pages is not None and plan_config.pinned_pages < 0:
+                raise ConfigError(f"plans.{config.plan}.pinned_pages must be >= 0, got {plan_config.pinned_pages}")
             model_plans = {m: _plan(p, f"plans.{config.plan}.models.{m}") for m, p in plan_config.models.items()}
             limits = Limits(requests_per_minute=config.requests_per_minute,
                             tokens_per_minute=config.tokens_per_minute, max_concurrent=config.max_concurrent)
-            tenants[tenant_id] = Tenant(tenant_id, plans[config.plan], model_plans, limits, weight=plan_config.weight)
+            tenants[tenant_id] = Tenant(tenant_id, plans[config.plan], model_plans, limits, weight=plan_config.weight,
+                                        pinned_pages=plan_config.pinned_pages)
             for hex_digest in config.keys_sha256:
                 key_hashes.append((_digest(hex_digest, f"tenants.{tenant_id}.keys_sha256"), tenant_id))
         admin = [_digest(h, "admin_keys_sha256") for h in spec.admin_keys_sha256]
@@ -165,8 +173,7 @@ class TenantDirectory:
         if found is None:
             return Tenant("admin", FREE, is_admin=True)
         tenant = self.tenants[found]
-        return tenant if not is_admin else Tenant(tenant.tenant_id, tenant.plan, tenant.model_plans, tenant.limits, True,
-                                                  tenant.weight)
+        return tenant if not is_admin else dataclasses.replace(tenant, is_admin=True)
 
     def cache_salt(self, tenant_id: str, client_salt: str | None = None) -> bytes:
         """HMAC(secret, tenant [+ client salt]): a client salt can only split a tenant's cache further."""

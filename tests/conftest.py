@@ -3,7 +3,11 @@
 import os
 import tempfile
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+import torch  # noqa: E402 (only to ask for a GPU, before anything imports triton)
+
+# Triton's interpreter on a machine without a GPU (the CPU path's tests); with CUDA the kernels compile and run
+# on the GPU for real (the "cuda" params of tests/kernels/helpers.triton_devices)
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # built GGUF tokenizers (runtime/gguf_tokenizer.py) kept for this session only: a run starts cold, and the
 # user's own cache is neither read nor written

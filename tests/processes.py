@@ -28,6 +28,7 @@ class Process:
         self.port = port  # 0: the server's own choice, known once it listens (listening_port)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
+        self._log_start = self._log.tell()  # this process's lines begin here (a restart appends to the same log)
         self.process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], stdout=self._log,
                                         stderr=subprocess.STDOUT, cwd=REPO,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_SERVER_LOG_JSON": "true",
@@ -39,7 +40,10 @@ class Process:
 
     def listening_port(self) -> int | None:
         """The port of the server's "listening" log line (`serve` logs it once the port accepts), if logged yet."""
-        for line in self.log_path.read_bytes().splitlines():
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            lines = log.read().splitlines()
+        for line in lines:
             if b'"listening"' not in line:
                 continue
             try:

@@ -44,7 +44,10 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 def authenticate(state: ServiceState, request: web.Request) -> Tenant:
     """The tenant of `x-api-key` (Anthropic's header) or, failing that, `Authorization: Bearer`."""
     key = request.headers.get("x-api-key")
-    return state.tenants.authenticate(f"Bearer {key}" if key else request.headers.get("Authorization"))
+    authorization = f"Bearer {key}" if key else request.headers.get("Authorization")
+    if not authorization and not state.tenants.is_open:  # asked for as Anthropic's clients send it
+        raise APIError(401, "x-api-key header is required", None, "invalid_api_key")
+    return state.tenants.authenticate(authorization)
 
 
 def _decode(raw: bytes, kind: type[CountTokensRequest]) -> CountTokensRequest:

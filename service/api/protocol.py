@@ -11,6 +11,8 @@ stop_token_ids, include_stop_str_in_output, min_tokens), scheduling (priority) a
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, ClassVar, Literal
 
@@ -291,11 +293,24 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "logprobs": self.requested_logprobs(), "logit_bias": self.token_logit_bias(),
             "structured_outputs": constraint, "min_tokens": self.min_tokens,
         }
-        return SamplingParams(
-            n=self.samples_per_prompt, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            **{k: v for k, v in given.items() if v is not None},
-        )
+        try:
+            return SamplingParams(
+                n=self.samples_per_prompt, max_tokens=max_tokens, stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                **{k: v for k, v in given.items() if v is not None},
+            )
+        except InvalidRequestError as exc:  # named as the caller named it
+            field = self.field_of(exc.param)
+            if field != exc.param and exc.param and exc.message.startswith(exc.param + " "):
+                exc.message = field + exc.message[len(exc.param):]
+                exc.args = (exc.message,)
+            exc.param = field
+            raise
+
+    def field_of(self, sampling_param: str | None) -> str | None:
+        """The body's field that gave SamplingParams' `sampling_param` (most keep their names)."""
+        return sampling_param
 
 
 class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
@@ -380,6 +395,9 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
             raise InvalidRequestError("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def field_of(self, sampling_param: str | None) -> str | None:
+        return "top_logprobs" if sampling_param == "logprobs" and self.top_logprobs is not None else sampling_param
+
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -425,6 +443,9 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
     def samples_per_prompt(self) -> int:
         return self.n if self.best_of is None else self.best_of
 
+    def field_of(self, sampling_param: str | None) -> str | None:
+        return "best_of" if sampling_param == "n" and self.best_of is not None else sampling_param
+
 
     def requested_logprobs(self) -> int | None:
         if self.logprobs is None and self.picks_best:
@@ -464,7 +485,12 @@ def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields
         try:
             body = msgspec.json.decode(raw, type=kind, strict=True)  # the common case: one pass
         except msgspec.ValidationError:
-            raw = msgspec.json.decode(raw)
+            try:
+                raw = msgspec.json.decode(raw)
+            except msgspec.ValidationError as exc:  # a number past float64 ("1e999"): msgspec cannot say where
+                path = _first_non_finite(json.loads(raw))
+                raise InvalidRequestError(f"{path or 'a number'} is out of range (past a 64-bit float)",
+                                          param=path, code="invalid_value") from exc
         else:
             body.check_fields()
             return body
@@ -480,6 +506,19 @@ def decode_body(raw: bytes | dict, kind: type[SamplingFields]) -> SamplingFields
     body = msgspec.convert(body, kind, strict=True)
     body.check_fields()
     return body
+
+
+def _first_non_finite(value: Any, path: str = "") -> str | None:
+    """Where the first infinite number sits in a decoded body ("temperature", "messages[0].x"), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{path}.{key}" if isinstance(key, str) and path else
+                                  key if isinstance(key, str) else f"{path}[{key}]")
+        if found:
+            return found
+    return None
 
 
 def _whole(value: Any) -> Any:

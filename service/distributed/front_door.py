@@ -181,7 +181,7 @@ class DynamoBridge(StreamsInFlight):
             stream.close("abort")
 
     async def pin(self, pin_id: str, prompt_token_ids: list[int], cache_salt: bytes | None,
-                  shared_prefix_len: int = 0) -> None:
+                  shared_prefix_len: int = 0) -> int:
         """Pin the prefix on every worker (and on workers that join later).
 
         Every worker, not only the one the router prefers: a pinned prefix is a tenant's hot
@@ -189,7 +189,8 @@ class DynamoBridge(StreamsInFlight):
         requests by load alone without losing the hit. It costs the pin's pages once per worker.
         Raises the first worker's InvalidRequestError (e.g. the pin budget), or WorkerLost (a 503)
         if no worker took it; the workers that did take it keep it until unpin. Only a pin that was
-        placed is replayed on workers that join.
+        placed is replayed on workers that join. Returns the fewest tokens any worker found cached (the
+        prefill the tenant is billed for is the most any worker computed).
         """
         call = wire.Pin(pin_id, prompt_token_ids, wire.salt_hex(cache_salt), shared_prefix_len)
         workers = self.live_workers()
@@ -200,13 +201,16 @@ class DynamoBridge(StreamsInFlight):
         invalid = next((r for r in results if isinstance(r, InvalidRequestError)), None)
         if invalid is not None:
             raise invalid
-        if not any(result is None for result in results):
+        placed = [result for result in results if not isinstance(result, Exception)]
+        if not placed:
             raise WorkerLost(f"the pin {pin_id!r} was placed on no worker (none is reachable)")
         self._pins[pin_id] = call
+        return min(result if isinstance(result, int) and not isinstance(result, bool) else 0 for result in placed)
 
-    async def _pin_on(self, worker_id: int, call: wire.Pin) -> None:
-        await _call(self._client, call, worker_id)
+    async def _pin_on(self, worker_id: int, call: wire.Pin) -> int:
+        num_cached = await _call(self._client, call, worker_id)
         self._pinned_on.setdefault(worker_id, set()).add(call.pin_id)
+        return num_cached
 
     async def unpin(self, pin_id: str) -> bool:
         """Unpin on every worker; True if any held it."""

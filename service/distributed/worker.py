@@ -130,9 +130,8 @@ class Worker:
             if isinstance(call, wire.PageMap):
                 return wire.Reply(await self.bridge.page_map())
             if isinstance(call, wire.Pin):
-                await self.bridge.pin(call.pin_id, call.prompt_token_ids, wire.salt_bytes(call.cache_salt),
-                                      call.shared_prefix_len)
-                return wire.Reply(True)
+                return wire.Reply(await self.bridge.pin(call.pin_id, call.prompt_token_ids,
+                                                        wire.salt_bytes(call.cache_salt), call.shared_prefix_len))
             if isinstance(call, wire.Unpin):
                 return wire.Reply(await self.bridge.unpin(call.pin_id))
         except InvalidRequestError as exc:
@@ -216,6 +215,7 @@ async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
         await close_quietly(bridge.stop, runner.cleanup)
         raise as_startup_error(exc, host, dist.worker_port)
     probes = f"http://{host}:{bound_port(sock)}"
+    log.info("listening", url=probes)  # the probe port (its own choice with --port 0)
     joined = await _join_dynamo(core, loop, settings, engine, bridge, model_name, runner)
     runtime, endpoint, serving, load_task, publishers = joined
     registered.set()

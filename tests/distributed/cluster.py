@@ -8,24 +8,21 @@ from pathlib import Path
 import requests
 
 from tests.processes import Process
-from tests.service.redis_fixture import free_port
 
 
 def start_worker(name: str, model: Path, discovery_dir: Path, log_dir: Path, *extra: str,
                  env: dict[str, str] | None = None) -> Process:
-    """`pagedserve worker` on a free probe port."""
-    port = free_port()
-    args = ["worker", "--model", str(model), "--discovery-dir", str(discovery_dir), "--port", str(port), *extra]
-    return Process(name, args, port, log_dir, env or {})
+    """`pagedserve worker` on a probe port of its own choosing (read back from its log once it listens)."""
+    args = ["worker", "--model", str(model), "--discovery-dir", str(discovery_dir), "--port", "0", *extra]
+    return Process(name, args, 0, log_dir, env or {})
 
 
 def start_front_door(model: Path, discovery_dir: Path, data_dir: Path, log_dir: Path, *extra: str,
                      env: dict[str, str] | None = None, name: str = "front-door") -> Process:
-    """`pagedserve serve --router dynamo` on a free port."""
-    port = free_port()
+    """`pagedserve serve --router dynamo` on a port of its own choosing (read back from its log once it listens)."""
     args = ["serve", "--router", "dynamo", "--model", str(model), "--discovery-dir", str(discovery_dir),
-            "--port", str(port), "--data-dir", str(data_dir), *extra]
-    return Process(name, args, port, log_dir, env or {})
+            "--port", "0", "--data-dir", str(data_dir), *extra]
+    return Process(name, args, 0, log_dir, env or {})
 
 
 def worker_stats(worker: Process) -> dict:

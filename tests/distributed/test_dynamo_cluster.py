@@ -257,9 +257,12 @@ def test_a_pin_is_placed_on_every_worker(cluster):
     response = requests.post(front.url + "/v1/pinned-prefixes", json={"id": "preamble", "text": text},
                              headers=_headers(ACME), timeout=30)
     assert response.status_code in (200, 201), response.text
-    assert all(s["num_pinned_blocks"] > 0 for s in _all_stats(cluster))
-    view = _lookup(front, "acme", text)
-    assert len(view) == 3 and all(blocks > 0 for blocks in view.values()), view
+    try:
+        assert all(s["num_pinned_blocks"] > 0 for s in _all_stats(cluster))
+        view = _lookup(front, "acme", text)
+        assert len(view) == 3 and all(blocks > 0 for blocks in view.values()), view
+    finally:
+        _unpin(front, "preamble")
 
 
 def _gauges(url: str) -> dict[str, str]:
@@ -268,11 +271,27 @@ def _gauges(url: str) -> dict[str, str]:
     return dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("vllm:"))
 
 
+def _pin(front, pin_id: str, text: str) -> dict:
+    response = requests.post(front.url + "/v1/pinned-prefixes", json={"id": pin_id, "text": text},
+                             headers=_headers(ACME), timeout=30)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _unpin(front, pin_id: str) -> None:
+    requests.delete(front.url + f"/v1/pinned-prefixes/{pin_id}", headers=_headers(ACME), timeout=30)
+
+
 def test_workers_and_the_front_door_export_the_gauges_kubernetes_routers_read(cluster):
-    pinned = _all_stats(cluster)[0]["num_pinned_blocks"]  # the pin above holds pages: usage is above 0
-    worker = _gauges(cluster["workers"][0].url)
+    _pin(cluster["front"], "gauges", "system: Pages held while the gauges are read. " * 3)  # usage above 0
+    try:
+        wait_until(lambda: _idle(cluster), what="every worker idle")
+        pinned = _all_stats(cluster)[0]["num_pinned_blocks"]
+        worker = _gauges(cluster["workers"][0].url)
+    finally:
+        _unpin(cluster["front"], "gauges")
     usage = float(next(v for k, v in worker.items() if k.startswith("vllm:kv_cache_usage_perc{")))
-    assert usage == pytest.approx(pinned / NUM_BLOCKS)
+    assert pinned > 0 and usage == pytest.approx(pinned / NUM_BLOCKS)
     assert any(k.startswith("vllm:num_requests_running{") for k in worker)
     assert any(k.startswith("vllm:num_requests_waiting{") for k in worker)
     assert any(k.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="64"' in k for k in worker)
@@ -316,6 +335,12 @@ def test_eviction_reaches_the_router(cluster):
 
 def test_a_worker_with_kv_events_endpoint_publishes_vllm_format_events(cluster):
     import zmq
+
+    def worker_0_cached() -> bool:  # distinct prompts until the router has sent one to worker-0
+        _complete(cluster["front"], ACME, f"Events {time.monotonic()}: the owl counted the stars. " * 3)
+        return worker_stats(cluster["workers"][0])["num_cached_blocks"] > 0
+
+    wait_until(worker_0_cached, timeout=60, interval=0, what="a request served (and cached) by worker-0")
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     try:
@@ -331,7 +356,7 @@ def test_a_worker_with_kv_events_endpoint_publishes_vllm_format_events(cluster):
         dealer.close(0)
         context.term()
     stored = [e for batch in batches for e in batch[1] if e["type"] == "BlockStored"]  # [ts, events, dp rank]
-    assert stored, "worker-0 served requests in the tests above, so it cached blocks"
+    assert stored, "worker-0 cached blocks above, so it published them"
     assert all(len(e["token_ids"]) == 16 * len(e["block_hashes"]) == 16 * len(e["extra_keys"]) for e in stored)
     seen: set[int] = set()
     for event in stored:  # a block's parent was stored before it (the chain arrives in order)
@@ -357,6 +382,7 @@ def test_redis_kill_9_serving_goes_on_and_the_ledger_is_exact(cluster):
 
 def test_a_worker_killed_mid_stream_ends_its_streams_and_traffic_moves_on(cluster):
     front, workers = cluster["front"], cluster["workers"]
+    _pin(front, "newcomers", "system: The preamble every worker holds, a newcomer too. " * 3)
     before = _usage(front, GLOBEX)
     response, lines = _stream_lines(front, GLOBEX, {"model": "stories260K", "prompt": "Once upon a time",
                                                     "max_tokens": 480, "ignore_eos": True})
@@ -383,3 +409,4 @@ def test_a_worker_killed_mid_stream_ends_its_streams_and_traffic_moves_on(cluste
     cluster["workers"][-1].wait_ready()
     wait_until(lambda: worker_stats(cluster["workers"][-1])["num_pinned_blocks"] > 0, timeout=30,
                what="the pins on the new worker")
+    _unpin(front, "newcomers")

@@ -19,20 +19,19 @@ import redis
 import requests
 
 from tests.processes import Process
-from tests.service.redis_fixture import free_port, own_redis_server  # noqa: F401
+from tests.service.redis_fixture import own_redis_server  # noqa: F401
 
 NUM_CLIENTS = 12
 KILL_AFTER = 30  # answers received before the kill
 
 
 def start_server(model_dir: Path, data_dir: Path, redis_url: str | None = None) -> Process:
-    """`python -m service.cli serve` on a free port, its log in the data folder."""
-    port = free_port()
-    args = ["serve", "--model", str(model_dir), "--port", str(port), "--data-dir", str(data_dir),
+    """`python -m service.cli serve` on a port of its own choosing, its log in the data folder."""
+    args = ["serve", "--model", str(model_dir), "--port", "0", "--data-dir", str(data_dir),
             "--num-blocks", "256", "--max-num-seqs", "16"]
     if redis_url:
         args += ["--redis-url", redis_url]
-    return Process(f"server-{port}", args, port, data_dir, {})
+    return Process("server", args, 0, data_dir, {})
 
 
 def _body(client: int, turn: int) -> tuple[str, dict]:

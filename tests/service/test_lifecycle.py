@@ -1,48 +1,22 @@
 """The process: SIGTERM drains (ready 503, new requests 503, running streams finish), then exits."""
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import requests
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read()}")
-        try:
-            if requests.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server never became ready")
+from tests.processes import Process
 
 
 def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"PAGEDSERVE_SERVER_SHUTDOWN_TIMEOUT_S": "20", "PAGEDSERVE_ENGINE_NUM_BLOCKS": "128",
-                        "PAGEDSERVE_SERVER_DATA_DIR": str(tmp_path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--model", str(stories_dir), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+    env = {"PAGEDSERVE_SERVER_SHUTDOWN_TIMEOUT_S": "20", "PAGEDSERVE_ENGINE_NUM_BLOCKS": "128",
+           "PAGEDSERVE_SERVER_DATA_DIR": str(tmp_path)}
+    server = Process("lifecycle", ["serve", "--model", str(stories_dir), "--port", "0"], 0, tmp_path, env)
     try:
-        _wait_ready(url, proc)
+        server.wait_ready()
+        url = server.url
         assert requests.get(url + "/health", timeout=5).json() == {"status": "ok"}
         events: list[bytes] = []
 
@@ -56,9 +30,11 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, t
         reader.start()
         while not events:
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        assert requests.get(url + "/ready", timeout=5).status_code == 503
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10  # the signal is handled on the loop: /ready turns 503 once it is
+        while (ready := requests.get(url + "/ready", timeout=5).status_code) != 503 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready == 503 and reader.is_alive()  # draining, with the stream still running
         refused = requests.post(url + "/v1/completions", json={"model": "stories260K", "prompt": "x"}, timeout=5)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
         reader.join(60)
@@ -66,11 +42,9 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(stories_dir, t
         chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
         reasons = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]}
         assert reasons == dict.fromkeys(range(8), "length")  # every sample ran to the end, not aborted
-        assert proc.wait(30) == 0
+        assert server.process.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_metrics_expose_the_documented_names(server):

@@ -7,6 +7,8 @@ so the checks compare the Messages answer with the chat completion of the same c
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import anthropic
 import jsonschema
 import openai
@@ -154,16 +156,25 @@ def test_usage_is_billed_with_the_cached_part_at_its_own_price(server, client):
         return requests.get(server.url + "/v1/usage", headers={"x-api-key": KEY, "Authorization": f"Bearer {KEY}"},
                             timeout=10).json()
 
+    def ask():  # a cache scope of this test's own: what earlier tests cached does not count
+        return client.messages.create(model=MODEL, max_tokens=4, extra_body={**GREEDY, "cache_salt": "own-price"},
+                                      system=SYSTEM, messages=[{"role": "user", "content": "And on Sunday?"}])
+
+    ask()  # writes the system prompt's pages
+    server.wait_idle()
     before = totals()
-    message = client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system=SYSTEM,
-                                     messages=[{"role": "user", "content": "And on Sunday?"}])
+    usage = ask().usage
     server.wait_idle()
     after = totals()
-    usage = message.usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
     assert after["requests"] - before["requests"] == 1
     assert after["cached_tokens"] - before["cached_tokens"] == usage.cache_read_input_tokens > 0
-    assert after["prompt_tokens"] - before["prompt_tokens"] == \
-        usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert after["prompt_tokens"] - before["prompt_tokens"] == prompt
+    # the plan's prices per million: 0.50 fresh input, 0.05 cached input, 1.50 output
+    cached = usage.cache_read_input_tokens
+    price = (Decimal("0.50") * (prompt - cached) + Decimal("0.05") * cached
+             + Decimal("1.50") * usage.output_tokens) / 1_000_000
+    assert Decimal(after["cost_usd"]) - Decimal(before["cost_usd"]) == price
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -2,7 +2,6 @@
 official openai client: a chat answer, structured outputs and tool calls on a real chat model."""
 
 import json
-import socket
 
 import jsonschema
 import openai
@@ -19,17 +18,10 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city", "unit"]}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
     folder = tmp_path_factory.mktemp("smollm2-server")
-    port = _free_port()
-    process = Process("smollm2", ["serve", "--model", str(smollm2_gguf), "--port", str(port)], port, folder,
+    process = Process("smollm2", ["serve", "--model", str(smollm2_gguf), "--port", "0"], 0, folder,
                       {"PAGEDSERVE_SERVER_DATA_DIR": str(folder / "data"), "PAGEDSERVE_ENGINE_NUM_BLOCKS": "256"})
     process.wait_ready(timeout=180)
     yield process

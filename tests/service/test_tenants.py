@@ -93,7 +93,7 @@ def test_operator_shared_prefix_is_shared_and_only_it(server):
 
 
 def test_usage_bills_cached_input_at_its_own_rate_and_is_private(server):
-    before = _settled_usage(server, KEYS["globex"])
+    before, acme_before = _settled_usage(server, KEYS["globex"]), _settled_usage(server, KEYS["acme"])
     client = _client(server, "globex")
     told = []
     for _ in range(2):
@@ -101,6 +101,7 @@ def test_usage_bills_cached_input_at_its_own_rate_and_is_private(server):
                                         temperature=0)
         told.append(out.usage)
     after = _settled_usage(server, KEYS["globex"])
+    assert _settled_usage(server, KEYS["acme"]) == acme_before  # on globex's bill, and on no one else's
     prompt = sum(u.prompt_tokens for u in told)
     cached = sum(u.prompt_tokens_details.cached_tokens for u in told)
     completion = sum(u.completion_tokens for u in told)
@@ -209,7 +210,8 @@ def test_pinned_prefix_survives_a_restart(stories_dir, tenants_file):
 def test_no_tenant_created_prefix_joins_the_operators_shared_scope(stories_dir, tenants_file):
     """The shared scope holds the operator's listed prefixes and nothing a tenant makes: not a tenant's pin,
     not a prompt_cache_key the operator did not list, not the part of a prompt past the listed prefix."""
-    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file)}, pinned_block_budget=16)
+    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file)},
+                                pinned_block_budget=48)  # 16 pages for each of the three tenants' pins
     pin_text = "system: You are the secret planner of the acme picnic by the lake with the red boats."
     extended = SYSTEM + " Acme's own rules: the picnic is on the big hill by the old mill, bring the kites."
     with run_server(settings) as server:

@@ -104,7 +104,11 @@ def test_closing_the_socket_aborts_its_requests(server):
         async with websockets.connect(_ws_url(server)) as ws:
             for i in range(3):
                 await ws.send(_request(f"c{i}", "Go", max_tokens=max_tokens, ignore_eos=True))
-            await ws.recv()
+            streaming = set()
+            while len(streaming) < 3:  # all three are in the engine (one not yet read is cancelled unstarted)
+                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if message["type"] == "chunk":
+                    streaming.add(message["id"])
 
     with server.counting_engine_tokens() as generated:
         asyncio.run(main())

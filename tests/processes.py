@@ -1,14 +1,15 @@
 """A `python -m service.cli ...` process on 127.0.0.1 for the tests that need real server processes.
 
 It logs JSON lines to a file in the test's folder; `wait_ready` polls its /ready. Given port 0
-(`--port 0`), the server binds a free port itself and `wait_ready` reads it back from its
-"listening" log line: no port is picked here and released before the server binds it.
+(`--port 0`), the server binds a free port itself and `wait_ready` reads it back from the line it
+prints once it listens: no port is picked here and released before the server binds it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+_ANNOUNCED = re.compile(rb"(?:is serving .* at|probes at) http://[^:/\s]+:(\d+)")  # the lines a start prints
 
 
 class Process:
@@ -39,17 +41,20 @@ class Process:
         return f"http://127.0.0.1:{self.port}"
 
     def listening_port(self) -> int | None:
-        """The port of the server's "listening" log line (`serve` logs it once the port accepts), if logged yet."""
+        """The port the process says it listens on, once it has said so: `serve`'s "is serving ... at URL" line
+        and a worker's "probes at URL" line (printed whatever the log level), or a "listening" log line."""
         with open(self.log_path, "rb") as log:
             log.seek(self._log_start)
             lines = log.read().splitlines()
         for line in lines:
-            if b'"listening"' not in line:
-                continue
-            try:
-                return int(json.loads(line)["url"].rsplit(":", 1)[1])
-            except (ValueError, KeyError):
-                continue
+            found = _ANNOUNCED.search(line)
+            if found:
+                return int(found.group(1))
+            if b'"listening"' in line:
+                try:
+                    return int(json.loads(line)["url"].rsplit(":", 1)[1])
+                except (ValueError, KeyError):
+                    continue
         return None
 
     def wait_ready(self, timeout: float = 90.0, check=lambda body: True) -> dict:

@@ -405,3 +405,87 @@ def test_an_operators_pin_for_a_tenant_is_neither_counted_nor_billed_as_the_tena
     finally:
         for pin_id in ("house", "own"):
             requests.delete(server.url + f"/v1/pinned-prefixes/{pin_id}", headers=_auth(KEY_A), timeout=10)
+
+
+HUGE = {  # (route, body, status, code or param): past a limit the server checks, each refused whole
+    "a 50 MB body": ("/v1/chat/completions", b'{"model":"stories260K","messages":[{"role":"user","content":"'
+                     + b"a" * (50 << 20) + b'"}]}', 413, None),
+    "n of a million": ("/v1/chat/completions", {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}],
+                                               "n": 1_000_000}, 400, "n"),
+    "max_tokens of a trillion": ("/v1/completions", {"model": "stories260K", "prompt": "hi", "max_tokens": 10**12},
+                                 400, "context_length_exceeded"),
+    "10,000 stop strings": ("/v1/chat/completions", {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}],
+                                                    "stop": [f"s{i}" for i in range(10_000)]}, 400, "stop"),
+}
+
+
+@pytest.mark.parametrize("case", HUGE)
+def test_huge_requests_are_refused_whole(server, unbilled, case):
+    path, body, status, code = HUGE[case]
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    response = requests.post(server.url + path, headers={"Content-Type": "application/json", **_auth(KEY_B)},
+                             timeout=60, **kwargs)
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert code is None or code in (error.get("code"), error.get("param")), error
+
+
+@pytest.mark.parametrize("constraint", [
+    {"guided_regex": "(a|b)*a(a|b){40}"},  # a DFA of 2^40 states, were it built
+    {"guided_regex": "(a+)+$"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^(a|aa)+$"}}, "required": ["p"]}}}},
+])
+def test_redos_patterns_answer_or_refuse_in_time(server, well, constraint):
+    response = requests.post(server.url + "/v1/chat/completions", headers=_auth(KEY_B), timeout=60, json={
+        "model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **constraint})
+    assert response.status_code in (200, 400), response.text[:500]
+
+
+def test_another_tenants_things_read_as_absent(server, well):
+    chat = {"model": "stories260K", "messages": [{"role": "user", "content": "A's secret: the owl's name is Hoot."}],
+            "max_tokens": 2, "user": "alice"}
+    first = requests.post(server.url + "/v1/chat/completions", json=chat, headers=_auth(KEY_A), timeout=30).json()
+    stored = requests.post(server.url + "/v1/responses", headers=_auth(KEY_A), timeout=30, json={
+        "model": "stories260K", "input": "A's stored answer", "max_output_tokens": 2}).json()
+    own_pin = _pin(server, KEY_A, "a-secret", "A's pinned secret about the owl " * 4)
+    try:
+        reads = [requests.get(server.url + f"/v1/responses/{stored['id']}", headers=_auth(KEY_B), timeout=10),
+                 requests.get(server.url + "/v1/usage", params={"tenant": "a"}, headers=_auth(KEY_B), timeout=10),
+                 requests.delete(server.url + "/v1/pinned-prefixes/a-secret", headers=_auth(KEY_B), timeout=10)]
+        pins = requests.get(server.url + "/v1/pinned-prefixes", headers=_auth(KEY_B), timeout=10).json()["data"]
+        probes = [requests.post(server.url + "/v1/chat/completions", headers=_auth(KEY_B), timeout=30,
+                                json={**chat, **extra}).json()
+                  for extra in ({"cache_salt": "alice"}, {"user": "alice"})]  # each B's first in its scope
+        again = requests.post(server.url + "/v1/chat/completions", json=chat, headers=_auth(KEY_A), timeout=30).json()
+    finally:
+        requests.delete(server.url + "/v1/pinned-prefixes/a-secret", headers=_auth(KEY_A), timeout=10)
+    assert first["usage"]["prompt_tokens"] > 0 and own_pin.status_code == 201
+    assert [r.status_code for r in reads] == [404, 404, 404]
+    assert all("a-secret" != p["id"] for p in pins)
+    assert [p["usage"]["prompt_tokens_details"]["cached_tokens"] for p in probes] == [0, 0]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the probe could have seen a hit
+
+
+def test_a_websocket_flood_is_answered_frame_by_frame(server, well):
+    frames = 300
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.url + "/v1/stream", headers=_auth(KEY_B)) as ws:
+                for i in range(frames):  # all at once, half of them bad
+                    if i % 2:
+                        await ws.send_str('{"type":"request","id":"bad' + str(i) + '","body":{"model":1}}')
+                    else:
+                        await ws.send_json({"type": "request", "id": f"r{i}", "body": {
+                            "model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}})
+                ended: dict[str, str] = {}
+                while len(ended) < frames:
+                    event = await ws.receive_json(timeout=60)
+                    if event["type"] in ("done", "error"):
+                        ended[event["id"]] = event["type"]
+                return ended
+
+    ended = asyncio.run(main())
+    assert sum(kind == "done" for kind in ended.values()) == frames // 2
+    assert all(kind == "error" for request_id, kind in ended.items() if request_id.startswith("bad"))

@@ -162,8 +162,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     preprocessing_threads: int = 0  # threads that parse and tokenize request bodies off the loop; 0: one per core
     preprocessing_nice: int = 10  # their nice value (0-19): a busy core goes to the engine's threads first
     open_metrics: bool = False  # with tenants: /metrics for anyone, without per-tenant series (admin key: all)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (slow senders): else 408
     idle_timeout_s: float = 15.0  # a connection without a whole request head this long is closed (slowloris, idle)
     max_connections_per_ip: int = 256  # open connections from one address; more are closed at once (0: no cap)
+    max_requests_per_connection: int = 1000  # requests one keep-alive connection carries, then it closes (0: no cap)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -182,10 +184,14 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.preprocessing_threads must be >= 0 (0: one per core)")
         if not 0 <= self.preprocessing_nice <= 19:
             raise ConfigError("server.preprocessing_nice must be in 0..19")
+        if not self.body_timeout_s > 0:
+            raise ConfigError("server.body_timeout_s must be > 0")
         if not self.idle_timeout_s > 0:
             raise ConfigError("server.idle_timeout_s must be > 0")
         if self.max_connections_per_ip < 0:
             raise ConfigError("server.max_connections_per_ip must be >= 0 (0: no cap)")
+        if self.max_requests_per_connection < 0:
+            raise ConfigError("server.max_requests_per_connection must be >= 0 (0: no cap)")
         if self.max_tool_calls < 1:
             raise ConfigError("server.max_tool_calls must be >= 1")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

@@ -24,6 +24,7 @@ from service.prefix_index import MemoryPrefixIndex, RedisPrefixIndex
 from service.rate_limit import LocalRateLimiter, RedisRateLimiter
 from service.redis_pool import create_redis
 from service.tenants import TenantDirectory
+from service.connections import keep_alive_cap
 from service.errors import APIError, error_middleware
 from service.metrics import CONTENT_TYPE, ServiceMetrics
 from service.api.completions import chat_completions, completions, list_models
@@ -157,7 +158,8 @@ async def _restore_pins(state: ServiceState) -> None:
 def create_app(settings: Settings, engine_factory: Callable[[Settings], EngineLike] = load_engine) -> web.Application:
     """The service app. The engine is built at start-up (on its thread) and stopped at cleanup; with
     distributed.router = "dynamo" the app joins the workers' cluster instead."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.server.max_body_bytes,
+                          middlewares=[error_middleware, keep_alive_cap(settings.server.max_requests_per_connection)])
 
     async def lifetime(app: web.Application):
         tenants = build_tenants(settings)

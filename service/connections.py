@@ -8,6 +8,8 @@
                                    (a long stream, a WebSocket) is never cut by it.
     server.max_connections_per_ip  connections open from one address; one past the cap is closed before a
                                    byte of it is read (0: no cap).
+    server.max_requests_per_connection  requests one keep-alive connection may carry; the last one's answer
+                                   closes it (`keep_alive_cap`, a middleware; 0: no cap).
 
 `start_site` serves a bound socket with both: each connection's protocol is aiohttp's own request
 handler behind a thin `_CountedConnection` that counts it by peer address.
@@ -72,6 +74,7 @@ class _CountedConnection(asyncio.Protocol):
         self.handler = handler
         self.counts = counts
         self.address: str | None = None  # None: refused (or not yet made)
+        self.num_requests = 0  # requests begun on this connection (keep_alive_cap)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -126,6 +129,23 @@ class CountedSockSite(web.BaseSite):
             raise RuntimeError("the runner was cleaned up before its site started")
         self._server = await asyncio.get_running_loop().create_server(
             lambda: _CountedConnection(server(), self._counts), sock=self._sock, backlog=self._backlog)
+
+
+def keep_alive_cap(max_requests: int):
+    """A middleware closing a connection after its `max_requests`-th request is answered (0: never)."""
+    @web.middleware
+    async def cap_requests(request: web.Request, handler):
+        transport = request.transport
+        connection = transport.get_protocol() if transport is not None else None
+        if not max_requests or not isinstance(connection, _CountedConnection):
+            return await handler(request)
+        connection.num_requests += 1
+        response = await handler(request)
+        if connection.num_requests >= max_requests:
+            response.force_close()
+        return response
+
+    return cap_requests
 
 
 async def start_site(runner: web.AppRunner, sock: socket.socket, max_connections_per_ip: int) -> ConnectionCounts:

@@ -77,6 +77,18 @@ class ServiceState:
         tokenizing, validating."""
         return await self.preprocessing.run(tenant.tenant_id, fn, *args)
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request's body, whole within server.body_timeout_s of asking (a slow sender holds a handler and
+        its buffer): else 408, and the connection closes after the answer."""
+        try:
+            async with asyncio.timeout(self.settings.server.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            if request.protocol is not None:
+                request.protocol.keep_alive(False)  # what is left of the body is never read
+            raise APIError(408, f"the request body did not arrive within {self.settings.server.body_timeout_s:g} s",
+                           None, "request_timeout") from None
+
     def authenticate(self, request: web.Request) -> Tenant:
         """The caller's tenant from `Authorization: Bearer`, or 401."""
         return self.tenants.authenticate(request.headers.get("Authorization"))

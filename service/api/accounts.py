@@ -137,7 +137,7 @@ async def create_pin(request: web.Request) -> web.Response:
     tenant = state.tenants.tenants[_target_tenant(state, caller, request)]
     by_operator = caller.is_admin and "tenant" in request.query and not state.tenants.is_open
     counted = caller if by_operator else tenant  # whose limits and preprocessing line the request takes
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, counted, len(raw)) as lease:
         body, (token_ids, shared) = await state.preprocess(counted, _pin_request, state, raw)
         lease.used_tokens = len(token_ids)

@@ -64,7 +64,7 @@ def chat_prompt(state: ServiceState, body: ChatCompletionRequest, add_generation
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         body = await state.preprocess(tenant, decode_body, raw, ChatCompletionRequest)
         return await _respond(request, await chat_generation(state, body, tenant), lease)
@@ -73,7 +73,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         body, prompts, echo_texts, constraint = await state.preprocess(tenant, _completion_prompts, state, raw)
         grammar = await state.compile_grammar(constraint)

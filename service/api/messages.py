@@ -61,7 +61,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     state = request.app[STATE]
     tenant = authenticate(state, request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         body, chat = await state.preprocess(tenant, _chat_of_messages, raw)
         generation = await chat_generation(state, chat, tenant, api="messages")
@@ -86,7 +86,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: {"input_tokens": the prompt's length, tools included}."""
     state = request.app[STATE]
     tenant = authenticate(state, request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         prompt = await state.preprocess(tenant, _count_prompt, state, raw)
         lease.used_tokens = len(prompt)

@@ -317,7 +317,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         run = await start_run(state, tenant, raw, lease)
     body = run.body

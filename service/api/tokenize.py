@@ -52,7 +52,7 @@ async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize: counted against the tenant's limits (its tokens as any request's), tokenized off the loop."""
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         lease.used_tokens, answer = await state.preprocess(tenant, _tokenize, state, raw)
     return web.Response(body=answer, content_type="application/json")
@@ -82,7 +82,7 @@ async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize: counted against the tenant's limits like /tokenize."""
     state = request.app[STATE]
     tenant = state.authenticate(request)
-    raw = await request.read()
+    raw = await state.read_body(request)
     async with RequestLease(state, tenant, len(raw)) as lease:
         body, text = await state.preprocess(tenant, _detokenize, state, raw)
         lease.used_tokens = len(body.tokens)

@@ -22,7 +22,7 @@ from tests.service.conftest import write_tenants_file
 KEY_A, KEY_B, ADMIN_KEY = "sk-tenant-a", "sk-tenant-b", "sk-admin"
 KEY_METERED, KEY_FRUGAL = "sk-tenant-metered", "sk-tenant-frugal"  # 5 requests a minute; 1,000 tokens a minute
 DEEP = 10_000  # far past any parser's recursion limit
-IDLE_TIMEOUT_S, MAX_CONNECTIONS_PER_IP = 3.0, 64
+IDLE_TIMEOUT_S, MAX_CONNECTIONS_PER_IP, MAX_REQUESTS_PER_CONNECTION, BODY_TIMEOUT_S = 3.0, 64, 5, 2.0
 ATTACKER, OTHER_ATTACKER = "127.0.0.2", "127.0.0.3"  # loopback addresses apart from the tests' own 127.0.0.1
 
 
@@ -42,7 +42,9 @@ def server(stories_dir, tmp_path_factory):
     process = Process("adversarial", ["serve", "--model", str(stories_dir), "--port", "0", "--data-dir", str(folder),
                                       "--tenants", str(tenants), "--num-blocks", "256", "--max-num-seqs", "16"],
                       0, folder, {"PAGEDSERVE_SERVER_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S),
-                                  "PAGEDSERVE_SERVER_MAX_CONNECTIONS_PER_IP": str(MAX_CONNECTIONS_PER_IP)})
+                                  "PAGEDSERVE_SERVER_MAX_CONNECTIONS_PER_IP": str(MAX_CONNECTIONS_PER_IP),
+                                  "PAGEDSERVE_SERVER_MAX_REQUESTS_PER_CONNECTION": str(MAX_REQUESTS_PER_CONNECTION),
+                                  "PAGEDSERVE_SERVER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)})
     try:
         process.wait_ready()
         yield process
@@ -489,3 +491,37 @@ def test_a_websocket_flood_is_answered_frame_by_frame(server, well):
     ended = asyncio.run(main())
     assert sum(kind == "done" for kind in ended.values()) == frames // 2
     assert all(kind == "error" for request_id, kind in ended.items() if request_id.startswith("bad"))
+
+
+def test_a_keep_alive_connection_closes_after_its_last_request(server):
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=10)
+    try:
+        said = []
+        for _ in range(MAX_REQUESTS_PER_CONNECTION):
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            response.read()
+            said.append((response.status, response.getheader("Connection", "keep-alive").lower()))
+        sock = connection.sock
+        closed = sock is None or _closed_by_server(sock, 5.0)
+    finally:
+        connection.close()
+    assert said == [(200, "keep-alive")] * (MAX_REQUESTS_PER_CONNECTION - 1) + [(200, "close")]
+    assert closed
+
+
+def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(server, unbilled):
+    sock = _connect_from(ATTACKER, server)
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY_B.encode() + b"\r\nContent-Length: 100000\r\n\r\n{\"model\":")
+        sock.settimeout(BODY_TIMEOUT_S + 10)  # the rest of the body never comes
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection (or the timeout raises)
+            answer += chunk
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"request_timeout"' in answer

@@ -46,6 +46,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "fairness": ["bench_fairness.py"],
     "side_channel": ["side_channel.py"],
     "tenant_flood": ["bench_tenant_flood.py"],
+    "bulk_priority": ["bench_bulk_priority.py"],
     "apis": ["bench_apis.py"],
     "responses_cache": ["bench_responses_cache.py"],
     "ggml_types": ["bench_ggml_types.py"],

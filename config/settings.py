@@ -160,7 +160,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls: hermes, llama3_json, auto (from the template)
     max_tool_calls: int = 16  # calls in one constrained answer (tool_choice "required" with parallel calls)
     preprocessing_threads: int = 0  # threads that parse and tokenize request bodies off the loop; 0: one per core
-    preprocessing_nice: int = 10  # their nice value (0-19): a busy core goes to the engine's threads first
+    preprocessing_bulk_bytes: int = 65536  # bodies this large are preprocessed at preprocessing_bulk_nice
+    preprocessing_bulk_nice: int = 10  # 0-19: a busy core goes to the engine's threads first
     open_metrics: bool = False  # with tenants: /metrics for anyone, without per-tenant series (admin key: all)
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (slow senders): else 408
     idle_timeout_s: float = 15.0  # a connection without a whole request head this long is closed (slowloris, idle)
@@ -182,8 +183,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("server.usage_write_timeout_s must be > 0")
         if self.preprocessing_threads < 0:
             raise ConfigError("server.preprocessing_threads must be >= 0 (0: one per core)")
-        if not 0 <= self.preprocessing_nice <= 19:
-            raise ConfigError("server.preprocessing_nice must be in 0..19")
+        if self.preprocessing_bulk_bytes < 1:
+            raise ConfigError("server.preprocessing_bulk_bytes must be >= 1")
+        if not 0 <= self.preprocessing_bulk_nice <= 19:
+            raise ConfigError("server.preprocessing_bulk_nice must be in 0..19")
         if not self.body_timeout_s > 0:
             raise ConfigError("server.body_timeout_s must be > 0")
         if not self.idle_timeout_s > 0:

@@ -19,7 +19,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from service.errors import APIError
-from service.preprocessing import estimated_tokens
+from service.preprocessing import estimated_tokens, request_bytes
 from service.rate_limit import Lease, RateLimitExceeded
 from service.tenants import Tenant
 
@@ -36,6 +36,7 @@ class RequestLease:
     def __init__(self, state, tenant: Tenant, num_bytes: int) -> None:
         self.state = state
         self.tenant = tenant
+        self.num_bytes = num_bytes
         self.num_estimated_tokens = estimated_tokens(num_bytes)
         self.lease: Lease | None = None  # None: unleased (limiter down), or handed over
         self.used_tokens: int | None = None  # set by the handler once known: the release corrects to it
@@ -52,9 +53,11 @@ class RequestLease:
             raise _too_many(exc) from exc
         except (OSError, RedisError) as exc:  # limits fail open: serving must not stop with Redis
             log.warning("rate limiter unreachable; admitting", error=str(exc), tenant=self.tenant.tenant_id)
+        self._bytes_token = request_bytes.set(self.num_bytes)  # how its preprocessing is scheduled
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        request_bytes.reset(self._bytes_token)
         if self.lease is not None:
             self.state.spawn(self._release(self.lease, self.used_tokens))
             self.lease = None

@@ -59,7 +59,8 @@ class ServiceState:
     def __post_init__(self) -> None:
         self.grammar_compiles = LoopCompiles(self.engine.grammars)
         self.preprocessing = Preprocessing(self.settings.server.preprocessing_threads,
-                                           nice=self.settings.server.preprocessing_nice)
+                                           bulk_bytes=self.settings.server.preprocessing_bulk_bytes,
+                                           bulk_nice=self.settings.server.preprocessing_bulk_nice)
         self.admission = FairAdmission(lambda: self.capacity, self.bridge.inflight_sequences_by_tenant,
                                        self.settings.server.admission_wait_s)
         self.tenant_weights = {t.tenant_id: t.weight for t in self.tenants.tenants.values()}

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from service.preprocessing import Preprocessing, estimated_tokens
+from service.preprocessing import BULK_NICE, Preprocessing, estimated_tokens, request_bytes
 
 
 class Gate:
@@ -105,3 +105,26 @@ def test_sizes_default_to_the_machine_and_a_share_cannot_exceed_the_pool():
 
 def test_a_body_is_charged_a_token_per_sixteen_bytes_before_it_is_read():
     assert (estimated_tokens(0), estimated_tokens(15), estimated_tokens(1 << 20)) == (0, 0, 65536)
+
+
+def test_a_large_body_is_bulk_work_on_threads_that_yield_to_the_engine():
+    import os
+
+    def where() -> tuple[str, int, int]:
+        thread = threading.get_native_id()
+        return (threading.current_thread().name, os.sched_getscheduler(thread),
+                os.getpriority(os.PRIO_PROCESS, thread))
+
+    async def main():
+        pool = Preprocessing(num_threads=1, per_tenant=1, bulk_bytes=1000)
+        try:
+            small = await pool.run("b", where)
+            request_bytes.set(1000)  # as RequestLease sets it for a request's whole handling
+            bulk = await pool.run("b", where)
+            return small, bulk
+        finally:
+            pool.close()
+
+    (small_thread, _, small_nice), (bulk_thread, _, bulk_nice) = asyncio.run(main())
+    assert small_thread.startswith("preprocess_") and small_nice == os.getpriority(os.PRIO_PROCESS, 0)
+    assert bulk_thread.startswith("preprocess-bulk") and bulk_nice == BULK_NICE

@@ -52,10 +52,12 @@ def check_json_depth(text: bytes | str, param: str | None = None, max_depth: int
                                   param=param, code="json_too_deep")
 
 
-def decode_json(text: bytes | str, param: str | None = None, max_depth: int = MAX_JSON_DEPTH):
-    """msgspec.json.decode, after the depth check (so it can raise msgspec.DecodeError, never RecursionError)."""
+def decode_json(text: bytes | str, param: str | None = None, max_depth: int = MAX_JSON_DEPTH, *,
+                type=None):  # noqa: A002 (msgspec's own name)
+    """msgspec.json.decode (strictly into `type`, if given), after the depth check: it can raise
+    msgspec.DecodeError or ValidationError, never RecursionError."""
     check_json_depth(text, param, max_depth)
-    return msgspec.json.decode(text)
+    return msgspec.json.decode(text) if type is None else msgspec.json.decode(text, type=type, strict=True)
 
 
 MAX_SCHEMA_VALUES = 20_000  # values in one schema (~5,000 properties, OpenAI's limit); compiling grows faster than that

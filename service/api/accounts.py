@@ -12,7 +12,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from runtime.block_hash import extend_block_hashes
-from runtime.json_limits import check_json_depth
+from runtime.json_limits import decode_json
 from runtime.sampling_params import SamplingParams
 from service.billing.usage import UsageRecord, cost_pico_usd
 from service.errors import APIError
@@ -153,8 +153,7 @@ async def create_pin(request: web.Request) -> web.Response:
 
 def _pin_request(state: ServiceState, raw: bytes) -> tuple[PinBody, tuple[list[int], int]]:
     """The body, its prompt's token ids and shared prefix length (on a preprocessing thread)."""
-    check_json_depth(raw)
-    body = msgspec.json.decode(raw, type=PinBody, strict=True)
+    body = decode_json(raw, type=PinBody)
     if not body.id or len(body.id) > 128:
         raise APIError(400, "id must be 1 to 128 characters", "id", "invalid_value")
     return body, _pin_prompt(state, body.text)

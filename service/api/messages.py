@@ -28,7 +28,7 @@ import msgspec
 from aiohttp import web
 
 from runtime.errors import InvalidRequestError
-from runtime.json_limits import check_json_depth, decode_json
+from runtime.json_limits import decode_json
 from service.api.completions import SSE_HEADERS, chat_generation, chat_prompt
 from service.api.generation import ChoiceAccumulator, Generation
 from service.api.messages_protocol import CountTokensRequest, MessagesRequest
@@ -51,8 +51,7 @@ def authenticate(state: ServiceState, request: web.Request) -> Tenant:
 
 
 def _decode(raw: bytes, kind: type[CountTokensRequest]) -> CountTokensRequest:
-    check_json_depth(raw)
-    body = msgspec.json.decode(raw, type=kind, strict=True)
+    body = decode_json(raw, type=kind)
     body.check_fields()
     return body
 

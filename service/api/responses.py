@@ -33,7 +33,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from runtime.json_limits import check_json_depth
+from runtime.json_limits import decode_json
 from runtime.sampling_params import InvalidRequestError
 from service.api.completions import SSE_HEADERS, chat_generation
 from service.api.generation import Generation
@@ -296,8 +296,7 @@ def _chat_body(body: ResponsesRequest, messages: list[dict], input_items: list[d
 def _decode(state: ServiceState, raw: bytes | dict) -> ResponsesRequest:
     """A create body (JSON bytes, or a decoded object) parsed and checked, its model too."""
     if isinstance(raw, bytes):
-        check_json_depth(raw)
-        body = msgspec.json.decode(raw, type=ResponsesRequest, strict=True)
+        body = decode_json(raw, type=ResponsesRequest)
     else:
         body = msgspec.convert(raw, ResponsesRequest, strict=True)
     body.check_fields()

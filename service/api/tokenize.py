@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from runtime.json_limits import check_json_depth
+from runtime.json_limits import decode_json
 from runtime.sampling_params import InvalidRequestError
 from service.api.completions import chat_prompt
 from service.api.protocol import ChatCompletionRequest, decode_body
@@ -41,8 +41,7 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 def _decode(state: ServiceState, raw: bytes, kind: type):
     """The body as `kind`, its model (if named) checked."""
-    check_json_depth(raw)
-    body = msgspec.json.decode(raw, type=kind, strict=True)
+    body = decode_json(raw, type=kind)
     if body.model is not None:
         state.check_model(body.model)
     return body

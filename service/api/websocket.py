@@ -20,7 +20,7 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from runtime.errors import InvalidRequestError
-from runtime.json_limits import check_json_depth
+from runtime.json_limits import decode_json
 from service.errors import WEBSOCKET, APIError, from_exception
 from service.api.formatting import usage_dict
 from service.api.completions import chat_generation
@@ -62,8 +62,7 @@ class Socket:
 
     async def handle(self, raw: str) -> None:
         try:
-            check_json_depth(raw)
-            command = msgspec.json.decode(raw, type=Command)
+            command = decode_json(raw, type=Command)
         except (msgspec.ValidationError, msgspec.DecodeError, InvalidRequestError) as exc:
             await self.error(None, exc)
             return

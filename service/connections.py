@@ -43,14 +43,12 @@ class ConnectionCounts:
             raise ValueError(f"max_per_ip must be >= 0 (0: no cap), got {max_per_ip}")
         self.max_per_ip = max_per_ip
         self.open: Counter[str] = Counter()
-        self.num_refused = 0
         self._refused_since_log = 0
         self._logged_at = 0.0
 
     def admit(self, address: str) -> bool:
         """Count a new connection from `address`; False (nothing counted) if the address is at its cap."""
         if self.max_per_ip and self.open[address] >= self.max_per_ip:
-            self.num_refused += 1
             self._refused_since_log += 1
             now = time.monotonic()
             if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
@@ -148,8 +146,6 @@ def keep_alive_cap(max_requests: int):
     return cap_requests
 
 
-async def start_site(runner: web.AppRunner, sock: socket.socket, max_connections_per_ip: int) -> ConnectionCounts:
-    """Serve the bound `sock` through `runner` (set up), connections counted; the counts, to read."""
-    counts = ConnectionCounts(max_connections_per_ip)
-    await CountedSockSite(runner, sock, counts).start()
-    return counts
+async def start_site(runner: web.AppRunner, sock: socket.socket, max_connections_per_ip: int) -> None:
+    """Serve the bound `sock` through `runner` (set up), each connection counted against the cap."""
+    await CountedSockSite(runner, sock, ConnectionCounts(max_connections_per_ip)).start()

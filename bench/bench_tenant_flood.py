@@ -1,6 +1,7 @@
 """One tenant floods the server with big bodies; another tenant's chat latency and /health, alone vs during it.
 
     .venv/bin/python bench/bench_tenant_flood.py [--quick] [--repeats N] [--model PATH] [--baseline-ref REF]
+                                                 [--phases tokenize,oversize,slowloris]
 
 A real `pagedserve serve` (SmolLM2's Q4_1 GGUF by default) with two tenants, A and B. In each
 phase, tenant A sends one-token chats one after another ("hi", max_tokens 1) and a prober
@@ -12,7 +13,8 @@ oversize   tenant B keeps 16 chats of the same 1 MB as a message in flight (each
 slowloris  500 sockets from 127.0.0.2 each send a request head one byte a second (for SLOWLORIS_S, longer than
            the server's 15 s idle_timeout_s): how many the server closed, and how long each was held
 
-run alternated (alone tokenize oversize, then reversed, ...), --repeats times. Reported per
+Tenant B runs in a process of its own, so its uploads and reads never delay A's client; all share the 2 cores.
+Run alternated (alone tokenize oversize, then reversed, ...), --repeats times. Reported per
 phase: A's chat latency p50 / p99, /health p50 / p99, B's requests answered, and the goals'
 ratios: A's p99 during a flood over A's p99 alone (goal <= 1.5), /health p99 during a flood
 (goal <= 50 ms). With --baseline-ref, the same phases also run against a git worktree of that
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -59,6 +62,11 @@ FLOOD_PATHS = {"tokenize": "/tokenize", "oversize": "/v1/chat/completions"}
 async def _model_id(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}) as response:
         return (await response.json())["data"][0]["id"]
+
+
+async def _served_model(url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        return await _model_id(session, url)
 
 
 async def _chats(session: aiohttp.ClientSession, url: str, model: str, stop_at: float) -> list[float]:
@@ -121,31 +129,51 @@ async def _slow_head(host: str, port: int, stop_at: float) -> float | None:
         writer.close()
 
 
-async def _phase(url: str, phase: str, bodies: dict[str, bytes], phase_s: float) -> dict:
+async def _attack(url: str, phase: str, body: bytes, stop_at: float) -> dict:
+    """Tenant B's side of a phase until `stop_at`: the flood's statuses, or how long each slow head was held."""
+    if phase == "slowloris":
+        host, port = url.removeprefix("http://").split(":")
+        return {"held": await asyncio.gather(*(_slow_head(host, int(port), stop_at) for _ in range(SLOWLORIS_SOCKETS)))}
     timeout = aiohttp.ClientTimeout(total=600)
-    connector = aiohttp.TCPConnector(limit=FLOOD_IN_FLIGHT + 4)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=FLOOD_IN_FLIGHT)) as session:
         answered: list[int] = []
-        flood = []
-        held: list[float | None] = []
-        model = await _model_id(session, url)  # before any flood
-        if phase == "slowloris":
-            host, port = url.removeprefix("http://").split(":")
-            slow_stop = time.monotonic() + SLOWLORIS_S + 2.0
-            slow = asyncio.gather(*(_slow_head(host, int(port), slow_stop) for _ in range(SLOWLORIS_SOCKETS)))
-            await asyncio.sleep(1.0)
-            phase_s = SLOWLORIS_S
-        elif phase != "alone":
-            flood_stop = time.monotonic() + phase_s + 1.0
-            body = bodies[phase].replace(b"{model}", model.encode())
-            flood = [asyncio.ensure_future(_flood_worker(session, url + FLOOD_PATHS[phase], body, flood_stop,
-                                                         answered)) for _ in range(FLOOD_IN_FLIGHT)]
-            await asyncio.sleep(1.0)  # the flood is in full swing before A is measured
+        await asyncio.gather(*(_flood_worker(session, url + FLOOD_PATHS[phase], body, stop_at, answered)
+                               for _ in range(FLOOD_IN_FLIGHT)))
+    return {"answered": answered}
+
+
+def _attacker(url: str, phase: str, body: bytes, stop_at: float, results: multiprocessing.Queue) -> None:
+    """A process of its own, so that B's uploads and reads never delay A's client (both share the machine)."""
+    results.put(asyncio.run(_attack(url, phase, body, stop_at)))
+
+
+async def _victim(url: str, model: str, phase_s: float) -> tuple[list[float], list[float]]:
+    """Tenant A's chats and the /health prober for `phase_s` seconds: their latencies."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=4)) as session:
         stop_at = time.monotonic() + phase_s
-        chats, health = await asyncio.gather(_chats(session, url, model, stop_at), _probe(session, url, stop_at))
-        await asyncio.gather(*flood)
-        if phase == "slowloris":
-            held = await slow
+        return await asyncio.gather(_chats(session, url, model, stop_at), _probe(session, url, stop_at))
+
+
+def _phase(url: str, phase: str, bodies: dict[str, bytes], model: str, phase_s: float) -> dict:
+    held: list[float | None] = []
+    answered: list[int] = []
+    attacker = None
+    if phase != "alone":
+        results = multiprocessing.get_context("fork").Queue()
+        measured_s = SLOWLORIS_S if phase == "slowloris" else phase_s
+        body = bodies.get(phase, b"").replace(b"{model}", model.encode())
+        # B starts a second early (the flood in full swing before A is measured) and ends after A
+        stop_at = time.monotonic() + measured_s + (4.0 if phase == "slowloris" else 2.0)
+        attacker = multiprocessing.get_context("fork").Process(target=_attacker, args=(url, phase, body, stop_at, results))
+        attacker.start()
+        time.sleep(1.0)
+        phase_s = measured_s
+    chats, health = asyncio.run(_victim(url, model, phase_s))
+    if attacker is not None:
+        outcome = results.get(timeout=600)
+        attacker.join(60)
+        held, answered = outcome.get("held", []), outcome.get("answered", [])
     statuses = sorted(set(answered))
     closed = [s for s in held if s is not None]
     slow_stats = {"slow_sockets": len(held), "slow_closed": len(closed), "slow_held_max_s": max(closed, default=0.0),
@@ -169,7 +197,13 @@ def main() -> None:
     parser.add_argument("--phase-s", type=float, default=10.0)
     parser.add_argument("--model", default=None, help="default: SmolLM2's Q4_1 GGUF (bench/smollm2.py)")
     parser.add_argument("--baseline-ref", default=None, help="also measure this commit, side by side")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated, from {', '.join(PHASES)} (alone is always run: the ratios need it)")
     args = parser.parse_args()
+    phases = ("alone", *(p for p in PHASES[1:] if p in args.phases.split(",")))
+    unknown = set(args.phases.split(",")) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
     quick_mode(args.quick)
     repeats, phase_s = (1, 3.0) if args.quick else (args.repeats, args.phase_s)
     if args.model is None:
@@ -182,7 +216,7 @@ def main() -> None:
         servers = {"now": REPO}
         if args.baseline_ref:
             servers["baseline"] = _worktree(args.baseline_ref, folder)
-        procs, urls = {}, {}
+        procs, urls, models = {}, {}, {}
         try:
             for name, repo in servers.items():
                 (folder / name).mkdir()
@@ -197,12 +231,13 @@ def main() -> None:
                     log_path=folder / name / "server.log", cwd=repo)
                 urls[name] = f"http://127.0.0.1:{port}"
                 wait_http(urls[name] + "/ready", procs[name], timeout=300, log_path=folder / name / "server.log")
-            runs: dict[str, dict[str, list[dict]]] = {name: {phase: [] for phase in PHASES} for name in servers}
+                models[name] = asyncio.run(_served_model(urls[name]))
+            runs: dict[str, dict[str, list[dict]]] = {name: {phase: [] for phase in phases} for name in servers}
             plan = [(r, name, phase) for r, name in alternated(list(servers), repeats)
-                    for phase in (PHASES if r % 2 == 0 else tuple(reversed(PHASES)))]
+                    for phase in (phases if r % 2 == 0 else tuple(reversed(phases)))]
             for i, (r, name, phase) in enumerate(plan, 1):
                 background = wait_for_quiet()
-                result = asyncio.run(_phase(urls[name], phase, bodies, phase_s))
+                result = _phase(urls[name], phase, bodies, models[name], phase_s)
                 result["background_cpu_pct"] = background
                 runs[name][phase].append(result)
                 log(f"{name} {phase} repeat {r + 1}/{repeats} ({i}/{len(plan)}): A p99 {result['a_chat_p99_s']:.3f}s "
@@ -220,7 +255,7 @@ def main() -> None:
     for name in servers:
         alone_p99 = median([run["a_chat_p99_s"] for run in runs[name]["alone"]])
         summary[name] = {"a_chat_p99_alone_s": alone_p99}
-        for phase in PHASES[1:]:
+        for phase in phases[1:]:
             flood_p99 = median([run["a_chat_p99_s"] for run in runs[name][phase]])
             summary[name][phase] = {
                 "a_chat_p99_s": flood_p99, "a_chat_p99_ratio": flood_p99 / alone_p99,
@@ -231,8 +266,9 @@ def main() -> None:
                                          for key in ("slow_held_max_s",)} | {
                     key: min(run[key] for run in runs[name][phase]) for key in ("slow_closed",)}
         log(f"{name}: {summary[name]}")
-    path = write_result("tenant_flood", args.quick, {
-        "machine": machine_info(), "model": args.model, "phase_s": phase_s, "repeats": repeats,
+    name = "tenant_flood" if phases == PHASES else "tenant_flood_" + "_".join(phases[1:])
+    path = write_result(name, args.quick, {
+        "machine": machine_info(), "model": args.model, "phase_s": phase_s, "repeats": repeats, "phases": phases,
         "flood": {"in_flight": FLOOD_IN_FLIGHT, "body_bytes": len(bodies["tokenize"])}, "baseline_ref": args.baseline_ref,
         "goals": {"a_chat_p99_ratio": 1.5, "health_p99_ms": 50}, "summary": summary, "runs": runs})
     log(f"wrote {path}")

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     wrk = commands.add_parser("worker", help="run the engine as a Dynamo worker (behind `serve --router dynamo`)")
     _add_model_flags(wrk)
     wrk.add_argument("--kv-events-endpoint", default=None,
-                     help="also publish vLLM-format KV events on this ZMQ PUB address (e.g. tcp://*:5557)")
+                     help="also publish vLLM-format KV events on this ZMQ PUB address (e.g. tcp://*:5557; "
+                          "tcp://127.0.0.1:* takes a free port and logs it; ipc:///path a Unix socket)")
     wrk.add_argument("--kv-events-replay-endpoint", default=None,
                      help="answer replay requests for recent KV event batches here (ZMQ ROUTER)")
     wrk.set_defaults(func=_worker)

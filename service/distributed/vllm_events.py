@@ -100,16 +100,20 @@ class VllmEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.bind(endpoint)
+        # the addresses as bound: a port given as * (tcp://127.0.0.1:*) is the one the system chose
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay = None
+        self.replay_endpoint = None
         if replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER_STEPS)
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._work, name="kv-events-zmq", daemon=True)
         self._thread.start()
-        log.info("publishing vLLM-format KV events", endpoint=endpoint, replay=replay_endpoint, topic=topic)
+        log.info("publishing vLLM-format KV events", endpoint=self.endpoint, replay=self.replay_endpoint, topic=topic)
 
     def publish(self, events: list[KVEvent]) -> None:
         """Queue one step's events (called on the loop); the sockets' thread sends them."""

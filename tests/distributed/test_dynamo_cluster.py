@@ -8,8 +8,11 @@ one cluster; the last one kills a worker and starts a new one.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
 import msgspec
@@ -18,7 +21,7 @@ import requests
 
 from tests.distributed.cluster import start_front_door, start_worker, wait_until, worker_stats
 from tests.service.conftest import write_tenants_file
-from tests.service.redis_fixture import free_port, start_server
+from tests.service.redis_fixture import start_server
 from tests.structured.schema_battery import SCHEMAS
 
 import dynamo._core  # noqa: E402,F401  ai-dynamo-runtime, a dev dependency (`make test` installs it): missing fails
@@ -47,8 +50,11 @@ def cluster(tmp_path_factory, stories_dir):
     env = {"PAGEDSERVE_SERVER_CACHE_SALT_SECRET": "cluster-test-secret"}
     discovery = root / "discovery"
     flags = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "8")
-    replay = f"tcp://127.0.0.1:{free_port()}"  # worker-0 also publishes vLLM-format events
-    events = ("--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", "--kv-events-replay-endpoint", replay)
+    # worker-0 also publishes vLLM-format events, on Unix sockets of its own (no port to race for; a short
+    # folder, as a socket path has at most 107 bytes)
+    sockets = Path(tempfile.mkdtemp(prefix="kv-events-"))
+    replay = f"ipc://{sockets}/replay.sock"
+    events = ("--kv-events-endpoint", f"ipc://{sockets}/events.sock", "--kv-events-replay-endpoint", replay)
     workers = [start_worker(f"worker-{i}", stories_dir, discovery, root, *flags, *(events if i == 0 else ()), env=env)
                for i in range(3)]
     front = None
@@ -69,6 +75,8 @@ def cluster(tmp_path_factory, stories_dir):
         for process in ([front] if front else []) + extra + workers:
             process.stop()
         redis_server.stop()
+        redis_server.remove_socket_dir()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _chat(front, key: str, user: str, max_tokens: int = 4, system: str = SYSTEM, **extra) -> dict:

@@ -16,7 +16,6 @@ import msgspec
 from runtime import Engine, SamplingParams
 from runtime.kv_events import BlockRemoved, BlockStored
 from service.distributed.vllm_events import END_OF_REPLAY, VllmEventPublisher, external_hash, vllm_events
-from tests.service.redis_fixture import free_port
 
 import dynamo._core as core  # noqa: E402  a dev dependency (`make test` installs it): missing fails
 import zmq  # noqa: E402
@@ -49,7 +48,6 @@ def test_dynamos_zmq_relay_places_and_drops_our_blocks(stories_dir, tmp_path, mo
     engine = Engine.from_pretrained(stories_dir, num_blocks=8, pinned_block_budget=0)
     engine.record_kv_events()
     prompt = _tokens(56, seed=1)  # three full pages of 16
-    port = free_port()
 
     async def main() -> tuple[int, int]:
         runtime = create_runtime(asyncio.get_running_loop(), tmp_path / "discovery")
@@ -62,9 +60,8 @@ def test_dynamos_zmq_relay_places_and_drops_our_blocks(stories_dir, tmp_path, mo
         await core.register_model(core.ModelInput.Tokens, core.ModelType.Completions, endpoint, "m", "m",
                                   worker_type=core.WorkerType.Aggregated, kv_cache_block_size=16,
                                   skip_model_assets=True)
-        ours = VllmEventPublisher(f"tcp://127.0.0.1:{port}", None, "kv", engine.block_size)
-        relay = core.KvEventPublisher(endpoint, kv_block_size=16, zmq_endpoint=f"tcp://127.0.0.1:{port}",
-                                      zmq_topic="kv")
+        ours = VllmEventPublisher("tcp://127.0.0.1:*", None, "kv", engine.block_size)  # the port it bound
+        relay = core.KvEventPublisher(endpoint, kv_block_size=16, zmq_endpoint=ours.endpoint, zmq_topic="kv")
         router = core.KvRouter(endpoint, 16, core.KvRouterConfig())
         await asyncio.sleep(1.0)  # the relay's SUB connects (PUB drops what comes before)
 
@@ -107,15 +104,14 @@ def test_stored_blocks_of_one_chain_merge_and_carry_the_salt_where_it_enters():
 
 
 def test_the_replay_socket_returns_every_batch_from_the_asked_sequence():
-    pub_port, replay_port = free_port(), free_port()
-    publisher = VllmEventPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", "kv", 16)
+    publisher = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "kv", 16)  # ports bound, then read
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     try:
         for i in range(3):
             publisher.publish([BlockRemoved(bytes([i]) * 32)])
         time.sleep(0.3)
-        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.connect(publisher.replay_endpoint)
         dealer.send_multipart([b"", (1).to_bytes(8, "big")])
         replies = []
         while dealer.poll(5000):

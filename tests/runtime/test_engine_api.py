@@ -60,7 +60,8 @@ def test_request_larger_than_the_cache_is_refused(stories_dir):
 
 
 @pytest.mark.parametrize(
-    "prompt, param", [([], "prompt"), ([1, 99999], "prompt"), ([1, -1], "prompt"), ([1, "a"], "prompt")]
+    "prompt, param", [([], "prompt"), ([1, 99999], "prompt"), ([1, -1], "prompt"), ([1, "a"], "prompt"),
+                      ([1, True], "prompt"), ([1, 2.0], "prompt"), ([1, None], "prompt")]
 )
 def test_bad_prompts_name_the_param(engine, prompt, param):
     with pytest.raises(InvalidRequestError) as info:

@@ -1,9 +1,11 @@
 """Weight-only int4 and int8 matmuls agree with dequantize-then-matmul, on odd shapes too; ggml's
 4-bit blocks map onto the int4 layout exactly (to bfloat16 scales); `--quantization` on a folder.
 
-Tolerance: the kernels take bfloat16 inputs and round their outputs to bfloat16, so each output
-may differ from float64 x @ W.T (W the dequantized weight) by bfloat16's rounding of the input
-(2^-8 relative, summed over the row) and of the output: |err| <= 2^-7 * (|x| @ |W|.T) + 2^-8 |ref|.
+Tolerance: the matmul tests build weights and inputs that bfloat16 holds exactly, and check the
+bound tests/runtime/quant_checks.py derives: float32 accumulation and the output's rounding to
+bfloat16, nothing for the inputs' or weights' rounding. For int4 that bound
+is several times smaller than one weight one level off, and test_one_weight_one_level_off_fails_the_check
+shows it on every path: a bound that admitted a wrong nibble could not catch one.
 """
 
 import random
@@ -16,34 +18,30 @@ from runtime import Engine, SamplingParams
 from runtime.model import ggml_blocks, quantized
 from runtime.model.quantized import Int4Weight, Int8Weight
 from runtime.perplexity import perplexity
+from tests.runtime.quant_checks import exact_input, exact_weight, within_bound
 
 SHAPES = [(1, 32, 16), (3, 96, 37), (5, 80, 50), (9, 64, 48), (17, 200, 129), (40, 80, 70), (64, 576, 960),
-          (70, 96, 130), (130, 64, 32)]  # rows, in, out
+          (70, 96, 130), (130, 64, 32), (130, 576, 96)]  # rows, in, out
 # the paths: where the CPU has AVX512-BF16, kernels/quant_matmul (int4: few rows below quantized.INT4_MANY_ROWS,
 # many from there; int8: outputs a multiple of 16, up to INT8_BF16_DOT_MAX_ROWS rows); past that, or without
 # AVX512-BF16 (forced below too), torch's kernels, and the unpack-then-bfloat16-matmul from DENSE_MIN_ROWS rows
-
-
-def _check_close(out, x, weight):
-    ref = x.double() @ weight.double().T
-    bound = 2**-7 * (x.double().abs() @ weight.double().abs().T) + 2**-8 * ref.abs() + 1e-6
-    assert out.shape == ref.shape
-    assert torch.all((out.double() - ref).abs() <= bound), float(((out.double() - ref).abs() / bound).max())
+PATH_ROWS = (1, quantized.DENSE_MIN_ROWS, quantized.INT4_MANY_ROWS + 2)  # one shape per path, both kernel sets
 
 
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
 @pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_matmul_agrees_with_dequantize_then_matmul(cls, rows, in_features, out_features, dtype):
-    torch.manual_seed(rows * 1000 + in_features)
-    weight = cls.quantize(torch.randn(out_features, in_features) * 0.05)
-    dense = weight.dequantize()
-    assert dense.shape == (out_features, in_features)
-    x = torch.randn(rows, in_features).to(dtype)
-    bias = torch.randn(out_features).to(dtype)
-    out = weight.linear(x, bias)
+    seed = rows * 1000 + in_features
+    weight, values, _ = exact_weight(cls, out_features, in_features, seed)
+    assert torch.equal(weight.dequantize().double(), values)
+    x = exact_input(rows, in_features, seed, dtype)
+    out = weight.linear(x)
     assert out.dtype == dtype
-    _check_close(out - bias, x.float(), dense)
+    within, worst = within_bound(out, x, values)
+    assert within, worst
+    bias = torch.randn(out_features).to(dtype)
+    assert torch.equal(weight.linear(x, bias), out + bias)
 
 
 @pytest.mark.parametrize("rows,in_features,out_features", [(8, 64, 64), (64, 576, 960), (70, 96, 130)])
@@ -51,10 +49,32 @@ def test_quantized_matmul_agrees_with_dequantize_then_matmul(cls, rows, in_featu
 def test_without_the_bf16_kernels_the_other_paths_agree_too(cls, rows, in_features, out_features, monkeypatch):
     """Where kernels/quant_matmul is not built (no AVX512-BF16), torch's kernels and the unpack serve."""
     monkeypatch.setattr(quantized.quant_matmul, "available", lambda: False)
-    torch.manual_seed(rows + out_features)
-    weight = cls.quantize(torch.randn(out_features, in_features) * 0.05)
-    x = torch.randn(rows, in_features)
-    _check_close(weight.linear(x), x, weight.dequantize())
+    weight, values, _ = exact_weight(cls, out_features, in_features, rows + out_features)
+    x = exact_input(rows, in_features, rows, torch.float32)
+    within, worst = within_bound(weight.linear(x), x, values)
+    assert within, worst
+
+
+@pytest.mark.parametrize("bf16_kernels", [True, False])
+@pytest.mark.parametrize("rows", PATH_ROWS)
+@pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
+def test_one_weight_one_level_off_fails_the_check(cls, rows, bf16_kernels, monkeypatch):
+    """The bound above can fail: a weight one level (one nibble step, one int8 step) from the one computed
+    exceeds it, on every path. The column with the largest input meets that weight."""
+    if not bf16_kernels:
+        monkeypatch.setattr(quantized.quant_matmul, "available", lambda: False)
+    # an int8 row of 576 inputs sums to ~1,700 levels; bfloat16's 8 bits cannot show one of them, so 32 inputs
+    in_features, out_features = (576, 64) if cls is Int4Weight else (32, 64)
+    weight, values, steps = exact_weight(cls, out_features, in_features, 7)
+    x = exact_input(rows, in_features, 8, torch.float32)
+    assert within_bound(weight.linear(x), x, values)[0]
+    column = int(x.abs().amax(0).argmax())
+    # int4: any output (the 6th); int8: the output nearest 0 in the first row, where bfloat16 has digits to spare
+    output = 5 if cls is Int4Weight else int((x[:1].double() @ values.T).abs().argmin())
+    off = values.clone()
+    off[output, column] += steps[output, column]
+    within, worst = within_bound(weight.linear(x), x, off)
+    assert not within, f"one level off passed the check (worst error / bound {worst:.2f})"
 
 
 @pytest.mark.parametrize("cls,step", [(Int4Weight, 1 / 15), (Int8Weight, 1 / 127)])

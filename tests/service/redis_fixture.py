@@ -1,4 +1,4 @@
-"""A real redis-server on a free loopback port, with AOF on, for the storage tests.
+"""A real redis-server on a Unix socket (no TCP port to race for), with AOF on, for the storage tests.
 
 Import the fixtures into a test module:
 
@@ -16,10 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
 
 def redis_server_binary() -> str:
     """redis-server from PATH; a clear failure naming the fix when it is missing."""
@@ -29,40 +31,41 @@ def redis_server_binary() -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _command(port: int, *words: str, timeout: float = 1.0) -> bytes:
+def _command(socket_path: Path, *words: str, timeout: float = 1.0) -> bytes:
     """Send one inline command, return the first reply line."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(socket_path))
         s.sendall(" ".join(words).encode() + b"\r\n")
         return s.makefile("rb").readline().rstrip(b"\r\n")
 
 
 class RedisServer:
-    """One redis-server process: --save "" --appendonly yes --appendfsync everysec, data in `dir`."""
+    """One redis-server process: --save "" --appendonly yes --appendfsync everysec, data in `dir`.
 
-    def __init__(self, port: int, dir: str | Path) -> None:
-        self.port = port
+    It listens on a Unix socket only (--port 0): the socket's path is this server's own, kept across
+    restarts, so no other process can take its address between a pick and a bind. The path lives in a
+    short folder under the system's temp dir (a socket path has at most 107 bytes; pytest's are longer).
+    """
+
+    def __init__(self, dir: str | Path) -> None:
         self.dir = Path(dir)
+        self.socket_path = Path(tempfile.mkdtemp(prefix="redis-")) / "redis.sock"
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket_path}?db=0"
 
     def start(self, timeout: float = 10.0) -> None:
         """Launch and wait until it answers PING with PONG (after loading its AOF)."""
         if self.process is not None and self.process.poll() is None:
-            raise RuntimeError(f"redis-server on port {self.port} is already running")
+            raise RuntimeError(f"redis-server on {self.socket_path} is already running")
         self.dir.mkdir(parents=True, exist_ok=True)
         log = open(self.dir / "redis.log", "ab")
         self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.dir)],
+            [redis_server_binary(), "--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.dir)],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
@@ -70,13 +73,13 @@ class RedisServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.dir / 'redis.log'}")
             try:
-                if _command(self.port, "PING") == b"+PONG":
+                if _command(self.socket_path, "PING") == b"+PONG":
                     return
             except OSError:
                 pass
             time.sleep(0.02)
         self.kill()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout} s")
+        raise RuntimeError(f"redis-server on {self.socket_path} did not answer PING within {timeout} s")
 
     def stop(self) -> None:
         """Terminate cleanly (SIGTERM: Redis flushes its AOF) and wait."""
@@ -93,25 +96,21 @@ class RedisServer:
         self.process = None
 
     def restart(self) -> None:
-        """Stop if running, then start on the same port and dir (the AOF is replayed)."""
+        """Stop if running, then start on the same socket and dir (the AOF is replayed)."""
         self.stop()
         self.start()
 
     def flushall(self) -> None:
-        if _command(self.port, "FLUSHALL", "SYNC") != b"+OK":
+        if _command(self.socket_path, "FLUSHALL", "SYNC") != b"+OK":
             raise RuntimeError("FLUSHALL failed")
+
+    def remove_socket_dir(self) -> None:
+        shutil.rmtree(self.socket_path.parent, ignore_errors=True)
 
 
 def start_server(dir: Path) -> RedisServer:
-    """A started server on a free port (a few tries: another process may take the port first)."""
-    for _ in range(2):
-        server = RedisServer(free_port(), dir)
-        try:
-            server.start()
-            return server
-        except RuntimeError:
-            pass
-    server = RedisServer(free_port(), dir)
+    """A started server with its data in `dir`."""
+    server = RedisServer(dir)
     server.start()
     return server
 
@@ -121,6 +120,7 @@ def redis_server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+    server.remove_socket_dir()
 
 
 @pytest.fixture
@@ -134,3 +134,4 @@ def own_redis_server(tmp_path):
     server = start_server(tmp_path / "redis")
     yield server
     server.kill()
+    server.remove_socket_dir()

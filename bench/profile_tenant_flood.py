@@ -61,7 +61,7 @@ def main() -> None:
         spy = subprocess.Popen([pyspy, "record", "--pid", str(proc.pid), "--threads", "--idle", "--format", "raw",
                                 "-o", str(out), "--duration", "14", "--rate", "200", "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        result = asyncio.run(flood._phase(url, phase, flood._flood_bodies(), 10.0))
+        result = flood._phase(url, phase, flood._flood_bodies(), asyncio.run(flood._served_model(url)), 10.0)
         spy.wait()
     finally:
         stop_process(proc)

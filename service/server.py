@@ -16,7 +16,8 @@ import structlog
 from config import Settings
 from service.app import create_app, drain, load_engine
 from service.connections import make_runner, start_site
-from service.startup import as_startup_error, bound_port, close_quietly, preflight, run_until_stopped
+from service.startup import (as_startup_error, bound_port, close_quietly, freeze_startup_heap, preflight,
+                             run_until_stopped)
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +45,7 @@ async def serve(settings: Settings, ready_message: bool = True, engine_factory=l
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()
     log.info("listening", url=url)
     if ready_message:
         from service.state import STATE

@@ -10,6 +10,7 @@ process with exit status 1 and one line on stderr naming the cause, never a trac
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 import sys
@@ -133,6 +134,23 @@ def as_startup_error(exc: BaseException, host: str | None = None, port: int | No
     error = StartupError(describe_failure(exc))
     error.__cause__ = exc
     return error
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive after start-up (the model, modules, the app: ~220,000 for SmolLM2) out of the
+    garbage collector's reach; returns how many.
+
+    A full collection walks every tracked object while holding the GIL: 107 ms at start-up size, and
+    the engine thread waits for the GIL between operations, so each one is a step 107 ms late. A
+    tenant whose requests allocate much (a flood of refused megabyte chats) set them off every few
+    seconds. Objects made before this call live as long as the process; what is made later is
+    collected as before.
+    """
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("start-up heap frozen", objects=frozen)
+    return frozen
 
 
 def run_until_stopped(main: Callable[[], Coroutine], name: str) -> int:

@@ -29,7 +29,8 @@ from service.distributed.dynamo_runtime import create_runtime, endpoint_path, im
 from service.distributed.kv_publisher import DynamoKvPublisher
 from service.grammars import LoopCompiles
 from service.metrics import CONTENT_TYPE, ServiceMetrics
-from service.startup import as_startup_error, bound_port, close_quietly, preflight, run_until_stopped
+from service.startup import (as_startup_error, bound_port, close_quietly, freeze_startup_heap, preflight,
+                             run_until_stopped)
 from service.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -219,6 +220,7 @@ async def serve_worker(settings: Settings, engine_factory=load_engine) -> None:
     joined = await _join_dynamo(core, loop, settings, engine, bridge, model_name, runner)
     runtime, endpoint, serving, load_task, publishers = joined
     registered.set()
+    freeze_startup_heap()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

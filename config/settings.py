@@ -157,6 +157,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     usage_write_timeout_s: float = 10.0  # ... this long at most (then 503; the record stays queued)
     cache_salt_secret: str | None = None  # HMAC key for tenant cache salts; same on every replica
     replica_id: str | None = None  # this replica's name in the prefix index (default: host:port)
+    trace_requests: bool = False  # log each request's stages (admission, engine queue, first step, delivery): bench/
     tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls: hermes, llama3_json, auto (from the template)
     max_tool_calls: int = 16  # calls in one constrained answer (tool_choice "required" with parallel calls)
     preprocessing_threads: int = 0  # threads that parse and tokenize request bodies off the loop; 0: one per core

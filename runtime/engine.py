@@ -33,6 +33,7 @@ from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.timeline import RequestTimeline, StepShape
 from runtime.speculative.draft_model import DraftModelProposer
 from runtime.speculative.speculator import Speculator
 from runtime.tokenizer import ByteTokenizer
@@ -79,6 +80,8 @@ class Engine(RequestBuilder):
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)
         self.speculator = Speculator(settings.speculative_config, self._draft_proposer(settings, device, backend))
+        self.num_steps = 0  # steps run
+        self.trace_requests = False  # stamp each request's RequestTimeline (runtime/timeline.py)
         self.requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step (aborted; max_tokens=0): the next step reports them
         self._pending_pins: dict[str, tuple[str, int]] = {}  # pin id -> (prefill request id, pages)
@@ -150,6 +153,8 @@ class Engine(RequestBuilder):
         seq = Sequence(request, 0, list(request.prompt_token_ids), detokenizer)
         request.sequences.append(seq)
         self.requests[request.request_id] = request
+        if self.trace_requests:
+            request.timeline = RequestTimeline(queued_at=time.monotonic(), queued_step=self.num_steps)
         if params.max_tokens == 0:  # nothing to generate: done before it runs, reported by the next step
             request.sequences += [seq.fork(i, detokenizer.copy()) for i in range(1, params.n)]
             for sample in request.sequences:
@@ -245,20 +250,44 @@ class Engine(RequestBuilder):
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request that got new tokens or finished."""
+        step_started = time.monotonic()
         outputs = [self._make_output(request) for request in self._take_ended()]
         self.scheduler.make_room()  # a fair-share preemption first: no drafts are made for its victim
         self.speculator.propose(self.scheduler.running, self.scheduler.num_pending_prompt_tokens, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.is_empty:
+            traced = self._traced_requests() if self.trace_requests else None
             started = time.perf_counter()
             logits = self.runner.execute(batch)  # [num_sample_rows, vocab]
             outputs += self._apply(batch, logits)
             self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
+            if traced:
+                self._stamp_timelines(traced, batch, step_started)
+            self.num_steps += 1
         elif self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests waiting and none running")
         if not self.scheduler.has_unfinished():
             self.check_invariants()  # idle: every page must be accounted for
         return outputs
+
+    def _traced_requests(self) -> list[Request]:
+        """This step's requests still missing a first step or a first token (their timelines are stamped after it)."""
+        found = {}
+        for seq in self.scheduler.scheduled_sequences:
+            timeline = seq.request.timeline
+            if timeline is not None and timeline.first_token is None:
+                found[seq.request.request_id] = seq.request
+        return list(found.values())
+
+    def _stamp_timelines(self, requests: list[Request], batch, started_at: float) -> None:
+        shape = StepShape(self.num_steps, started_at, time.monotonic() - started_at, len(batch.entries),
+                          batch.num_tokens, batch.num_decodes, len(self.scheduler.waiting), len(self.scheduler.running))
+        for request in requests:
+            timeline = request.timeline
+            if timeline.first_scheduled is None:
+                timeline.first_scheduled = shape
+            if any(seq.num_output_tokens for seq in request.sequences):
+                timeline.first_token = shape
 
     def _apply(self, batch, logits: torch.Tensor) -> list[RequestOutput]:  # logits: [num_sample_rows, vocab]
         """The step's results: credit the computed tokens, sample or verify, append tokens with their stop checks."""

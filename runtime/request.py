@@ -68,6 +68,7 @@ class Request:
         self.sequences: list[Sequence] = []
         self.fork_pending = params.n > 1  # n > 1 and not yet forked: it runs as one sequence until then
         self.aborted = False
+        self.timeline = None  # runtime.timeline.RequestTimeline while the engine traces requests
 
     @property
     def finished(self) -> bool:

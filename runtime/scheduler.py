@@ -108,6 +108,11 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found in cached pages
         self._scheduled: list[Sequence] = []  # the last schedule()'s sequences, in its entries' order
 
+    @property
+    def scheduled_sequences(self) -> list[Sequence]:
+        """The last schedule()'s sequences, in its entries' order (until advance())."""
+        return list(self._scheduled)
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Under "fair", a tenant with nothing waiting is lifted to the floor of the
         tenants that have (or, if none has, of those running): waiting banks no credit."""

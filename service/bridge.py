@@ -451,7 +451,9 @@ def load_engine(settings) -> EngineLike:
     from runtime import Engine
 
     engine_settings = {f: getattr(settings.engine, f) for f in settings.engine.__struct_fields__}
-    return Engine.from_pretrained(settings.server.model, show_progress=True, **engine_settings)
+    engine = Engine.from_pretrained(settings.server.model, show_progress=True, **engine_settings)
+    engine.trace_requests = settings.server.trace_requests
+    return engine
 
 
 async def start_engine(engine_factory: Callable, settings, kv_events: bool = True) -> tuple[EngineLike, EngineBridge]:

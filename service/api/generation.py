@@ -64,6 +64,8 @@ class Generation:
         for stream in self.streams:  # bill as soon as the engine is done: the fsync overlaps the last writes
             stream.on_engine_done = self._on_engine_done
         self.started_at = time.monotonic()
+        self.admitted_at: float | None = None  # capacity and limits said yes (admit)
+        self.submitted_at: float | None = None  # handed to the engine (start)
         self.created_at = time.time()
         self.admitted = False  # set once capacity and the tenant's limits said yes: then finish() must run
         self._recorded: asyncio.Future | None = None  # finish()'s: done once the usage records are on disk
@@ -81,6 +83,7 @@ class Generation:
         """
         state = self.state
         await state.reserve_capacity(self.tenant, self.num_sequences)
+        self.admitted_at = time.monotonic()
         try:
             await lease.extend_to(sum(len(r.prompt_token_ids) + r.params.n * r.params.max_tokens for r in self.requests))
         except BaseException:
@@ -92,6 +95,7 @@ class Generation:
     def start(self) -> None:
         """Hand every prompt to the engine (after admit())."""
         self.state.release_capacity(self.tenant, self.num_sequences)  # the bridge counts them from here on
+        self.submitted_at = time.monotonic()
         for stream, request in zip(self.streams, self.requests):
             self.state.bridge.submit(stream, request)
 
@@ -177,9 +181,27 @@ class Generation:
             **({"user": self.body.user} if self.body.user else {}),
             **({"safety_identifier": sid} if (sid := getattr(self.body, "safety_identifier", None)) else {}),
         )
+        if state.settings.server.trace_requests:
+            self._log_trace()
         self._recorded = on_disk[0] if len(on_disk) == 1 else asyncio.gather(*on_disk)
         self._recorded.add_done_callback(self._note_unrecorded)
         return self._recorded
+
+    def _log_trace(self) -> None:
+        """One "request trace" line (server.trace_requests): each stage in ms from the request's Generation, the
+        engine's steps that started it and sampled its first token (runtime/timeline.py); bench/trace_requests.py."""
+        origin = self.started_at
+
+        def ms(at: float | None) -> float | None:
+            return None if at is None else round(1000 * (at - origin), 2)
+
+        for stream, request in zip(self.streams, self.requests):
+            timeline = getattr(request, "timeline", None)  # a remote worker's request has none here
+            log.info("request trace", request_id=stream.request_id, tenant=self.tenant.tenant_id,
+                     prompt_tokens=stream.num_prompt_tokens, cached_tokens=stream.num_cached_tokens,
+                     admitted_ms=ms(self.admitted_at), submitted_ms=ms(self.submitted_at),
+                     engine=None if timeline is None else timeline.as_dict(origin),
+                     delivered_ms=ms(stream.first_token_at))
 
     async def usage_recorded(self) -> None:
         """finish(), then wait until its usage records are on disk: call before the last message.

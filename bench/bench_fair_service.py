@@ -9,10 +9,12 @@ output tokens, ignore_eos); tenant B sends one streamed completion a second (LIG
 prompt, LIGHT_OUTPUT output) while the flood lasts. A runs in a process of its own, so reading
 its 200 streams never delays B's client. Each policy is also measured with B alone.
 
-Two regimes:
-- admission: engine.max_num_seqs 64, so the flood fills the seats and queues;
-- engine:    engine.max_num_seqs 256, more seats than the flood has requests (nothing waits
-             for a seat; the engine's step decides).
+Three regimes:
+- admission: engine.max_num_seqs 64 and server.max_queued_requests 0: the flood fills the seats and
+             its overflow waits at the front door (service/admission.py), which lets B in below its share;
+- queue:     64 seats and the default queue of 256: the overflow waits in the engine's queue, where
+             the scheduler's policy orders it;
+- engine:    256 seats, more than the flood has requests: nothing waits for a seat, the step decides.
 
 Reported per regime and policy (medians of the repeats): B's TTFT p50 / p99 under the flood and
 alone, the flood's output tokens per second, and the goals' ratios (B's TTFT p99 fair / fcfs
@@ -45,7 +47,8 @@ KEY_A, KEY_B = "sk-flood-a", "sk-light-b"
 FLOOD_REQUESTS, FLOOD_PROMPT, FLOOD_OUTPUT = 200, 512, 128
 LIGHT_PROMPT, LIGHT_OUTPUT, LIGHT_EVERY_S = 64, 32, 1.0
 ALONE_REQUESTS = 12
-REGIMES = {"admission": 64, "engine": 256}  # engine.max_num_seqs
+# engine.max_num_seqs, server.max_queued_requests
+REGIMES = {"admission": (64, 0), "queue": (64, 256), "engine": (256, 0)}
 POLICIES = ("fcfs", "fair")
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # token ids drawn for the prompts (stories260K's tokenizer: 512)
 
@@ -76,10 +79,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, key: str, prompt: li
             "request_id": response.headers.get("x-request-id")}
 
 
-async def _flood(url: str, seed: int) -> dict:
+async def _flood(url: str, seed: int, num_requests: int) -> dict:
     rng = random.Random(seed)
-    prompts = [_prompt(FLOOD_PROMPT, rng) for _ in range(FLOOD_REQUESTS)]
-    connector = aiohttp.TCPConnector(limit=FLOOD_REQUESTS)
+    prompts = [_prompt(FLOOD_PROMPT, rng) for _ in range(num_requests)]
+    connector = aiohttp.TCPConnector(limit=num_requests)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
         start = time.perf_counter()
         results = await asyncio.gather(*(_stream(session, url, KEY_A, p, FLOOD_OUTPUT) for p in prompts))
@@ -89,8 +92,8 @@ async def _flood(url: str, seed: int) -> dict:
             "ttft_p50_s": median([r["ttft_s"] for r in results])}
 
 
-def _flood_process(url: str, seed: int, results: multiprocessing.Queue) -> None:
-    results.put(asyncio.run(_flood(url, seed)))
+def _flood_process(url: str, seed: int, num_requests: int, results: multiprocessing.Queue) -> None:
+    results.put(asyncio.run(_flood(url, seed, num_requests)))
 
 
 async def _light(url: str, seed: int, until: multiprocessing.Event | None, count: int) -> list[dict]:
@@ -105,7 +108,8 @@ async def _light(url: str, seed: int, until: multiprocessing.Event | None, count
         return list(await asyncio.gather(*tasks))
 
 
-def _run(url: str, with_flood: bool, seed: int) -> dict:
+def _run(url: str, with_flood: bool, seed: int, flood_requests: int) -> dict:
+    """One run: B alone, or B while A floods (prompts drawn from `seed`: no run hits another's cached prefix)."""
     if not with_flood:
         light = asyncio.run(_light(url, seed, None, ALONE_REQUESTS))
         ttfts = [r["ttft_s"] for r in light]
@@ -113,7 +117,7 @@ def _run(url: str, with_flood: bool, seed: int) -> dict:
                 "b": light}
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    flood = context.Process(target=_flood_process, args=(url, seed, results))
+    flood = context.Process(target=_flood_process, args=(url, seed, flood_requests, results))
     ended = context.Event()
     flood.start()
     time.sleep(1.0)  # the flood's requests are in before B's first
@@ -125,19 +129,22 @@ def _run(url: str, with_flood: bool, seed: int) -> dict:
     import threading
 
     threading.Thread(target=watch, daemon=True).start()
-    light = asyncio.run(_light(url, seed, ended, 0))
+    light = asyncio.run(_light(url, seed + 1, ended, 0))
     outcome = results.get(timeout=60)
     ttfts = [r["ttft_s"] for r in light]
     return {"b_ttft_p50_s": median(ttfts), "b_ttft_p99_s": percentile(ttfts, 0.99), "b_requests": len(light),
             "flood": outcome, "b": light}
 
 
-def _start(model_dir: Path, folder: Path, policy: str, max_num_seqs: int, trace: bool) -> tuple:
+def _start(model_dir: Path, folder: Path, policy: str, regime: tuple[int, int], trace: bool) -> tuple:
     folder.mkdir(parents=True)
     port = free_port()
     tenants = write_tenants_file(folder / "tenants.toml", {"a": {"keys": [KEY_A], "plan": "standard"},
                                                            "b": {"keys": [KEY_B], "plan": "standard"}})
+    max_num_seqs, max_queued = regime
     env = {"PAGEDSERVE_ENGINE_SCHEDULING": policy, "PAGEDSERVE_ENGINE_MAX_NUM_SEQS": str(max_num_seqs),
+           "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": str(max_queued),
+           "PAGEDSERVE_SERVER_ADMISSION_WAIT_S": "900",  # the flood's overflow waits its turn, it is not refused
            "PAGEDSERVE_SERVER_SERVED_MODEL_NAME": "bench", "PAGEDSERVE_SERVER_TRACE_REQUESTS": "1" if trace else "0"}
     proc = start_process([str(REPO / ".venv" / "bin" / "python"), "-m", "service.cli", "serve", "--model",
                           str(model_dir), "--port", str(port), "--data-dir", str(folder), "--tenants", str(tenants)],
@@ -153,12 +160,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--regimes", default=",".join(REGIMES))
     parser.add_argument("--trace", action="store_true", help="keep every request's server-side trace")
+    parser.add_argument("--flood-requests", type=int, default=FLOOD_REQUESTS)
     args = parser.parse_args()
     quick_mode(args.quick)
     regimes = [r for r in args.regimes.split(",") if r]
     if set(regimes) - set(REGIMES):
         parser.error(f"regimes are {', '.join(REGIMES)}")
     repeats = 1 if args.quick else args.repeats
+    flood_requests = args.flood_requests
     runs: dict = {r: {p: {"flood": [], "alone": []} for p in POLICIES} for r in regimes}
     with tempfile.TemporaryDirectory(prefix="fair-service-") as tmp:
         folder = Path(tmp)
@@ -175,7 +184,7 @@ def main() -> None:
                         background = wait_for_quiet()
                         server_log = folder / f"{regime}-{policy}" / "server.log"
                         log_start = server_log.stat().st_size
-                        result = _run(servers[policy][1], with_flood, seed=r)
+                        result = _run(servers[policy][1], with_flood, 1000 * r + 10 * with_flood, flood_requests)
                         result["background_cpu_pct"] = background
                         if args.trace:
                             time.sleep(0.5)  # the last lines reach the file
@@ -208,7 +217,8 @@ def main() -> None:
         "machine": machine_info(), "repeats": repeats,
         "load": {"flood_requests": FLOOD_REQUESTS, "flood_prompt": FLOOD_PROMPT, "flood_output": FLOOD_OUTPUT,
                  "light_prompt": LIGHT_PROMPT, "light_output": LIGHT_OUTPUT, "light_every_s": LIGHT_EVERY_S},
-        "regimes": {r: {"max_num_seqs": REGIMES[r]} for r in regimes},
+        "regimes": {r: {"max_num_seqs": REGIMES[r][0], "max_queued_requests": REGIMES[r][1]} for r in regimes},
+        "flood_requests": flood_requests,
         "goals": {"fair_over_fcfs_b_ttft_p99": 1.0, "fair_flood_over_alone_b_ttft_p99": 2.0,
                   "fair_over_fcfs_flood_tok_s": 0.95},
         "summary": summary, "runs": runs})

@@ -8,7 +8,10 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
      the budget left, so a long prompt never stalls the decodes (under "fair", waiting
      sequences of tenants below their share of seats whose counters are not ahead of the
      chunks' tenants start before these chunks: a light tenant's prompt does not wait
-     behind a flooding tenant's long prompts);
+     behind a flooding tenant's long prompts; and a step where such a tenant starts leaves
+     out the other tenants' chunks and new prompts, so it lasts the decodes and the light
+     prompt, not a full budget of the flood's prompts: its first token comes a short step
+     after the step running when it arrived);
   3. waiting sequences, in the waiting queue's order (runtime/fairness.py: first come first
      served, or fair across tenants by virtual token counters), each starting after its
      longest cached prefix (pages scheduled earlier in the same step count: identical
@@ -157,11 +160,16 @@ class Scheduler:
         for seq in plain + [s for s in decodes if s.draft_token_ids]:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
         chunk_tenants = {s.request.tenant for s in chunks}
-        if self.policy == "fair" and chunk_tenants and not preempted:  # a tenant behind and below its share
-            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants)  # starts before others' chunks
+        light = set()  # tenants behind and below their share that start a prompt before others' chunks
+        if self.policy == "fair" and chunk_tenants and not preempted:
+            num_entries = len(batch.entries)
+            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants)
+            light = {seq.request.tenant for seq in self._scheduled[num_entries:]}
+        if light:  # their step carries the decodes and their prompts, not the others' chunks: a short step
+            chunks = [s for s in chunks if s.request.tenant in light]
         for seq in chunks:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
-        if not preempted:
+        if not preempted and not light:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
 

@@ -123,7 +123,8 @@ def test_fair_a_light_tenant_starts_within_a_step_of_arriving_under_a_flood():
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
 def test_fair_a_light_prompt_starts_before_the_floods_long_prompt_chunks(policy):
     """The flood's long prompts are computed in chunks that would fill every step's budget; a tenant below its
-    share of seats starts ahead of those chunks under "fair", and waits for them to finish under "fcfs"."""
+    share of seats starts ahead of those chunks under "fair", in a step of its own prompt (and any decodes):
+    the step is as short as that, not a full budget of the flood's chunks. Under "fcfs" it waits for them."""
     sched = make_scheduler(policy, max_num_seqs=8, max_num_batched_tokens=64)
     flood = [make_seq(f"a{i}", 200, "a") for i in range(2)]  # 200-token prompts, computed in 64-token chunks
     for seq in flood:
@@ -134,7 +135,9 @@ def test_fair_a_light_prompt_starts_before_the_floods_long_prompt_chunks(policy)
     sched.add(light)
     step(sched)
     if policy == "fair":
-        assert light.num_output_tokens == 1 and flood[0].num_computed_tokens == 120  # b's 8 tokens came first
+        assert light.num_output_tokens == 1 and flood[0].num_computed_tokens == 64  # a step of b's 8 tokens alone
+        step(sched)  # then the flood's chunks go on beside b's decode
+        assert light.num_output_tokens == 2 and flood[0].num_computed_tokens == 64 + 63
     else:
         assert light.status is SequenceStatus.WAITING and flood[0].num_computed_tokens == 128
     assert flood[1].status is SequenceStatus.WAITING  # a tenant's own waiting prompts never pass its chunks

@@ -101,3 +101,68 @@ def test_a_full_server_lets_a_tenant_below_its_share_in_and_makes_the_flooder_wa
         # came, was still in flight (under fcfs it runs its 400 tokens first, and light ends after the flood)
         assert flood_running >= 1
         server.wait_idle()
+
+
+def _light_tenants_first_tokens(stories_dir, tmp_path, policy: str) -> list[dict]:
+    """Heavy sends 24 prompts of 400 tokens at once (8 seats, computed 32 tokens a step: ~300 steps of prompt
+    chunks) while light sends three short requests 20 ms apart; light's request traces
+    (server.trace_requests), captured from the server's log."""
+    import concurrent.futures
+    import random
+    import time
+
+    import structlog
+
+    tenants_file = write_tenants_file(tmp_path / f"tenants-{policy}.toml",
+                                      {"light": {"keys": [KEYS["light"]], "plan": "basic"},
+                                       "heavy": {"keys": [KEYS["heavy"]], "plan": "basic"}},
+                                      plans={"basic": {"input_per_mtok": 0.5, "output_per_mtok": 1.5}})
+    settings = stories_settings(stories_dir, server={"tenants_file": str(tenants_file), "trace_requests": True},
+                                scheduling=policy, max_num_seqs=8, max_num_batched_tokens=32)
+    rng = random.Random(5)
+
+    def complete(tenant: str, prompt: list[int], max_tokens: int) -> requests.Response:
+        body = {"model": "stories260K", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0}
+        return requests.post(server.url + "/v1/completions", json=body, timeout=120,
+                             headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+    with structlog.testing.capture_logs() as logs, run_server(settings) as server:
+        with concurrent.futures.ThreadPoolExecutor(27) as pool:
+            flood = [pool.submit(complete, "heavy", [1] + [rng.randrange(3, 500) for _ in range(399)], 2)
+                     for _ in range(24)]
+            time.sleep(0.3)  # the flood is in the engine
+            light = []
+            for _ in range(3):  # a few steps apart, all while the flood lasts
+                light.append(pool.submit(complete, "light", [1] + [rng.randrange(3, 500) for _ in range(7)], 2))
+                time.sleep(0.02)
+            for done in light + flood:
+                assert done.result().status_code == 200
+        server.wait_idle(60)
+    return [line for line in logs if line["event"] == "request trace" and line["tenant"] == "light"]
+
+
+def test_a_light_tenants_first_token_under_fair_takes_no_more_steps_than_under_fcfs_and_its_step_is_short(
+        stories_dir, tmp_path):
+    """Through a real server, counted in engine steps (so it holds on any machine): under a flood, each of the
+    light tenant's requests gets its first token within fcfs's step count plus one, and the step that computes
+    its prompt carries the decodes and that prompt only, none of the flood's chunks (before, it carried a
+    full budget of them)."""
+    traced = {policy: _light_tenants_first_tokens(stories_dir, tmp_path, policy) for policy in ("fcfs", "fair")}
+
+    def steps_to_first_token(trace: dict) -> int:  # the steps after it was queued, up to the one that sampled it
+        engine = trace["engine"]
+        return engine["first_token"]["index"] - engine["first_scheduled"]["index"] + 1 + engine["num_steps_waited"]
+
+    assert len(traced["fcfs"]) == len(traced["fair"]) == 3
+    fcfs, fair = ([steps_to_first_token(t) for t in traced[p]] for p in ("fcfs", "fair"))
+    assert max(fair) <= min(fcfs) + 1, (fair, fcfs)
+    assert min(fcfs) > 10  # the flood was there: under fcfs light waited behind its prompts
+    for trace in traced["fair"]:
+        step = trace["engine"]["first_token"]
+        # a seat from the flood within two steps: light rises to heavy's counter on arrival, and takes a seat once
+        # heavy's counter is past it (runtime/fairness.py: a tie takes nobody's seat), after one more step
+        assert trace["engine"]["num_steps_waited"] <= 2
+        assert step == trace["engine"]["first_scheduled"]  # an 8-token prompt: one step
+        assert step["num_waiting"] > 0  # the flood was still waiting for seats then
+        assert step["num_tokens"] - step["num_decodes"] == 8, step  # light's 8 prompt tokens, no flood chunk

@@ -49,7 +49,7 @@ LIGHT_PROMPT, LIGHT_OUTPUT, LIGHT_EVERY_S = 64, 32, 1.0
 ALONE_REQUESTS = 12
 # engine.max_num_seqs, server.max_queued_requests
 REGIMES = {"admission": (64, 0), "queue": (64, 256), "engine": (256, 0)}
-POLICIES = ("fcfs", "fair")
+POLICIES = ("fcfs", "fair")  # also "fair:N": fair with engine.fair_prompt_tokens_per_step N
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # token ids drawn for the prompts (stories260K's tokenizer: 512)
 
 
@@ -142,7 +142,9 @@ def _start(model_dir: Path, folder: Path, policy: str, regime: tuple[int, int], 
     tenants = write_tenants_file(folder / "tenants.toml", {"a": {"keys": [KEY_A], "plan": "standard"},
                                                            "b": {"keys": [KEY_B], "plan": "standard"}})
     max_num_seqs, max_queued = regime
-    env = {"PAGEDSERVE_ENGINE_SCHEDULING": policy, "PAGEDSERVE_ENGINE_MAX_NUM_SEQS": str(max_num_seqs),
+    scheduling, _, cap = policy.partition(":")
+    env = {"PAGEDSERVE_ENGINE_SCHEDULING": scheduling, "PAGEDSERVE_ENGINE_MAX_NUM_SEQS": str(max_num_seqs),
+           "PAGEDSERVE_ENGINE_FAIR_PROMPT_TOKENS_PER_STEP": cap or "0",
            "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": str(max_queued),
            "PAGEDSERVE_SERVER_ADMISSION_WAIT_S": "900",  # the flood's overflow waits its turn, it is not refused
            "PAGEDSERVE_SERVER_SERVED_MODEL_NAME": "bench", "PAGEDSERVE_SERVER_TRACE_REQUESTS": "1" if trace else "0"}
@@ -161,6 +163,7 @@ def main() -> None:
     parser.add_argument("--regimes", default=",".join(REGIMES))
     parser.add_argument("--trace", action="store_true", help="keep every request's server-side trace")
     parser.add_argument("--flood-requests", type=int, default=FLOOD_REQUESTS)
+    parser.add_argument("--policies", default=",".join(POLICIES), help="fcfs, fair, and fair:N variants")
     args = parser.parse_args()
     quick_mode(args.quick)
     regimes = [r for r in args.regimes.split(",") if r]
@@ -168,18 +171,21 @@ def main() -> None:
         parser.error(f"regimes are {', '.join(REGIMES)}")
     repeats = 1 if args.quick else args.repeats
     flood_requests = args.flood_requests
-    runs: dict = {r: {p: {"flood": [], "alone": []} for p in POLICIES} for r in regimes}
+    policies = [p for p in args.policies.split(",") if p]
+    if "fcfs" not in policies or "fair" not in policies:
+        parser.error("--policies must name fcfs and fair (the goals compare them); fair:N may be added")
+    runs: dict = {r: {p: {"flood": [], "alone": []} for p in policies} for r in regimes}
     with tempfile.TemporaryDirectory(prefix="fair-service-") as tmp:
         folder = Path(tmp)
         model_dir = make_random_llama(folder / "llama")
         for regime in regimes:
             servers = {}
             try:
-                for policy in POLICIES:
+                for policy in policies:
                     servers[policy] = _start(model_dir, folder / f"{regime}-{policy}", policy, REGIMES[regime],
                                              args.trace)
                     log(f"{regime}: {policy} server at {servers[policy][1]}")
-                for r, policy in alternated(list(POLICIES), repeats):
+                for r, policy in alternated(policies, repeats):
                     for with_flood in ((True, False) if r % 2 == 0 else (False, True)):
                         background = wait_for_quiet()
                         server_log = folder / f"{regime}-{policy}" / "server.log"
@@ -202,7 +208,7 @@ def main() -> None:
     summary = {}
     for regime in regimes:
         row = {}
-        for policy in POLICIES:
+        for policy in policies:
             flood, alone = runs[regime][policy]["flood"], runs[regime][policy]["alone"]
             row[policy] = {"b_ttft_p99_flood_s": median([x["b_ttft_p99_s"] for x in flood]),
                            "b_ttft_p50_flood_s": median([x["b_ttft_p50_s"] for x in flood]),
@@ -213,8 +219,10 @@ def main() -> None:
         row["fair_over_fcfs_flood_tok_s"] = row["fair"]["flood_tok_s"] / row["fcfs"]["flood_tok_s"]
         summary[regime] = row
         log(f"{regime}: {json.dumps(row)}")
-    path = write_result("fair_service", args.quick, {
-        "machine": machine_info(), "repeats": repeats,
+    name = "fair_service" if policies == list(POLICIES) and regimes == list(REGIMES) else \
+        "fair_service_" + "_".join([*regimes, *(p.replace(":", "") for p in policies)])
+    path = write_result(name, args.quick, {
+        "machine": machine_info(), "repeats": repeats, "policies": policies,
         "load": {"flood_requests": FLOOD_REQUESTS, "flood_prompt": FLOOD_PROMPT, "flood_output": FLOOD_OUTPUT,
                  "light_prompt": LIGHT_PROMPT, "light_output": LIGHT_OUTPUT, "light_every_s": LIGHT_EVERY_S},
         "regimes": {r: {"max_num_seqs": REGIMES[r][0], "max_queued_requests": REGIMES[r][1]} for r in regimes},

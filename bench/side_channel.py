@@ -123,6 +123,7 @@ class Deployment:
             process.stop()
         if self.redis is not None:
             self.redis.stop()
+            self.redis.remove_socket_dir()
 
 
 def _sha256(key: str) -> str:
@@ -145,25 +146,23 @@ def start(name: str, model: Path, root: Path, num_blocks: int = 1024) -> Deploym
     """Start deployment `name` (one of DEPLOYMENTS) in folder `root`; ready when this returns."""
     from tests.distributed.cluster import start_front_door, start_worker
     from tests.processes import Process
-    from tests.service.redis_fixture import free_port, start_server
+    from tests.service.redis_fixture import start_server
 
     tenants = write_tenants_file(root / "tenants.toml")
     env = {"PAGEDSERVE_SERVER_CACHE_SALT_SECRET": SALT_SECRET, "PAGEDSERVE_SERVER_LOG_LEVEL": "warning"}
     engine = ("--num-blocks", str(num_blocks))
     deployment = Deployment(name, [], "")
     try:
-        if name == "embedded":
-            port = free_port()
-            deployment.processes.append(Process("server", ["serve", "--model", str(model), "--port", str(port),
+        if name == "embedded":  # port 0: each server binds its own and says which (tests/processes.py)
+            deployment.processes.append(Process("server", ["serve", "--model", str(model), "--port", "0",
                                                            "--tenants", str(tenants), "--data-dir", str(root / "data"),
-                                                           *engine], port, root, env))
+                                                           *engine], 0, root, env))
         elif name == "redis":
             deployment.redis = start_server(root / "redis")
             for i in range(2):
-                port = free_port()
                 deployment.processes.append(Process(f"replica-{i}", [
-                    "serve", "--model", str(model), "--port", str(port), "--tenants", str(tenants), "--data-dir",
-                    str(root / f"data-{i}"), "--redis-url", deployment.redis.url, *engine], port, root, env))
+                    "serve", "--model", str(model), "--port", "0", "--tenants", str(tenants), "--data-dir",
+                    str(root / f"data-{i}"), "--redis-url", deployment.redis.url, *engine], 0, root, env))
         elif name == "dynamo":
             discovery = root / "discovery"
             workers = [start_worker(f"worker-{i}", model, discovery, root, *engine, env=env) for i in range(2)]

@@ -110,6 +110,9 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scheduling: str = "fair"  # measured: BENCHMARKS section 19
     fair_input_weight: float = 1.0  # a computed prompt token's weight in a tenant's counter (the VTC paper's w_p)
     fair_output_weight: float = 2.0  # a generated token's (w_q): a decode costs about twice a prompt token
+    # under "fair", while more than one tenant is active: prompt tokens per step at most (0: the step budget);
+    # shorter steps bound what a light tenant's first token waits for (BENCHMARKS section 27)
+    fair_prompt_tokens_per_step: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -129,6 +132,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.fair_input_weight < 0 or self.fair_output_weight < 0 or \
                 self.fair_input_weight + self.fair_output_weight <= 0:
             raise ConfigError("engine.fair_input_weight and fair_output_weight must be >= 0, not both 0")
+        if self.fair_prompt_tokens_per_step < 0:
+            raise ConfigError("engine.fair_prompt_tokens_per_step must be >= 0 (0: no cap)")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 

@@ -75,7 +75,8 @@ class Engine(RequestBuilder):
         self.eos_token_ids = frozenset(self.limits.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens,
-                                   settings.scheduling, settings.fair_input_weight, settings.fair_output_weight)
+                                   settings.scheduling, settings.fair_input_weight, settings.fair_output_weight,
+                                   settings.fair_prompt_tokens_per_step)
         backend = kernels.resolve_backend(settings.kernel_backend, device)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, device, self.dtype, backend)
         self.sampler = Sampler(settings.seed)

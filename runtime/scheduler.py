@@ -93,13 +93,14 @@ class Scheduler:
     """Owns the waiting queue and the running list; moves sequences between them."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+                 input_weight: float = 1.0, output_weight: float = 2.0, fair_prompt_tokens: int = 0) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.fair_prompt_tokens = fair_prompt_tokens  # under "fair" with tenants sharing: prompt tokens a step (0: no cap)
         self.counters = VirtualTokenCounters(input_weight, output_weight)  # kept under fcfs too: the metrics
         self.waiting: FcfsQueue | FairQueue = FairQueue(self.counters) if policy == "fair" else FcfsQueue()
         self.running: list[Sequence] = []
@@ -159,6 +160,8 @@ class Scheduler:
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in plain + [s for s in decodes if s.draft_token_ids]:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
+        if self.fair_prompt_tokens and self.policy == "fair" and len(self._active_tenants(self.seats_by_tenant())) > 1:
+            budget = min(budget, self.fair_prompt_tokens)  # what is left of the budget is prompt work: capped
         chunk_tenants = {s.request.tenant for s in chunks}
         light = set()  # tenants behind and below their share that start a prompt before others' chunks
         if self.policy == "fair" and chunk_tenants and not preempted:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 
 import structlog
@@ -31,6 +32,8 @@ async def serve(settings: Settings, ready_message: bool = True, engine_factory=l
     server = settings.server
     sock = preflight(server.host, server.port, server.model if engine_factory is load_engine else None,
                      settings.distributed.discovery_dir if settings.distributed.router == "dynamo" else None)
+    if server.port == 0 and server.replica_id is None:  # named by the port it bound: two such replicas differ
+        server.replica_id = f"{socket.gethostname()}:{bound_port(sock)}"
     app = create_app(settings, engine_factory)
     runner = make_runner(app, server.idle_timeout_s)
     try:

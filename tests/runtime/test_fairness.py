@@ -144,6 +144,23 @@ def test_fair_a_light_prompt_starts_before_the_floods_long_prompt_chunks(policy)
     assert sched.num_preemptions == 0
 
 
+def test_fair_prompt_tokens_per_step_caps_prompt_work_only_while_tenants_share():
+    """engine.fair_prompt_tokens_per_step: with one tenant a step takes the whole budget of prompt chunks; once a
+    second tenant is active, at most the cap of prompt tokens beside the decodes."""
+    sched = Scheduler(KVCacheManager(256, BS, True), 8, 64, "fair", fair_prompt_tokens=16)
+    flood = [make_seq(f"a{i}", 200, "a") for i in range(2)]
+    for seq in flood:
+        sched.add(seq)
+    step(sched)
+    assert flood[0].num_computed_tokens == 64  # alone: the whole budget
+    light = make_seq("b", 8, "b", max_tokens=50)
+    sched.add(light)
+    step(sched)  # b's 8-token prompt, in a step without a's chunks
+    batch = sched.schedule()  # b decodes (1) and a's chunk is cut to the cap
+    assert batch.num_tokens == 1 + 16 and batch.num_decodes == 1
+    sched.advance(batch)
+
+
 def _backlogged(weights: tuple[float, float], max_num_seqs: int, steps: int) -> tuple[dict[str, float], Scheduler]:
     """Two tenants, each with more requests waiting than `steps` can serve; weighted service after `steps`."""
     sched = make_scheduler("fair", max_num_seqs=max_num_seqs)

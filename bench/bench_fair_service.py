@@ -49,7 +49,7 @@ LIGHT_PROMPT, LIGHT_OUTPUT, LIGHT_EVERY_S = 64, 32, 1.0
 ALONE_REQUESTS = 12
 # engine.max_num_seqs, server.max_queued_requests
 REGIMES = {"admission": (64, 0), "queue": (64, 256), "engine": (256, 0)}
-POLICIES = ("fcfs", "fair")  # also "fair:N": fair with engine.fair_prompt_tokens_per_step N
+POLICIES = ("fcfs", "fair")  # also "fair:N": fair with engine.fair_prompt_tokens_per_step N (fair:0, no cap)
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # token ids drawn for the prompts (stories260K's tokenizer: 512)
 
 
@@ -144,7 +144,7 @@ def _start(model_dir: Path, folder: Path, policy: str, regime: tuple[int, int], 
     max_num_seqs, max_queued = regime
     scheduling, _, cap = policy.partition(":")
     env = {"PAGEDSERVE_ENGINE_SCHEDULING": scheduling, "PAGEDSERVE_ENGINE_MAX_NUM_SEQS": str(max_num_seqs),
-           "PAGEDSERVE_ENGINE_FAIR_PROMPT_TOKENS_PER_STEP": cap or "0",
+           **({"PAGEDSERVE_ENGINE_FAIR_PROMPT_TOKENS_PER_STEP": cap} if cap else {}),  # else the default (256)
            "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": str(max_queued),
            "PAGEDSERVE_SERVER_ADMISSION_WAIT_S": "900",  # the flood's overflow waits its turn, it is not refused
            "PAGEDSERVE_SERVER_SERVED_MODEL_NAME": "bench", "PAGEDSERVE_SERVER_TRACE_REQUESTS": "1" if trace else "0"}

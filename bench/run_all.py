@@ -44,6 +44,7 @@ SCRIPTS = {  # name: the script, then its arguments
     "speculative": ["bench_speculative.py"],
     "speculative_serving": ["bench_speculative_serving.py"],
     "fairness": ["bench_fairness.py"],
+    "fair_service": ["bench_fair_service.py", "--trace", "--flood-requests", "100"],
     "side_channel": ["side_channel.py"],
     "tenant_flood": ["bench_tenant_flood.py"],
     "bulk_priority": ["bench_bulk_priority.py"],

@@ -32,6 +32,7 @@ import multiprocessing
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -125,8 +126,6 @@ def _run(url: str, with_flood: bool, seed: int, flood_requests: int) -> dict:
     def watch() -> None:
         flood.join()
         ended.set()
-
-    import threading
 
     threading.Thread(target=watch, daemon=True).start()
     light = asyncio.run(_light(url, seed + 1, ended, 0))

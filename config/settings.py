@@ -112,7 +112,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fair_output_weight: float = 2.0  # a generated token's (w_q): a decode costs about twice a prompt token
     # under "fair", while more than one tenant is active: prompt tokens per step at most (0: the step budget);
     # shorter steps bound what a light tenant's first token waits for (BENCHMARKS section 27: 256 halved its
-    # p99 under a flood, the flood's throughput unchanged; 128 cost the flood 8%)
+    # p99 under a flood; the flood's throughput cost 0-7% against no cap, 128 cost ~13%)
     fair_prompt_tokens_per_step: int = 256
 
     def __post_init__(self) -> None:

@@ -160,8 +160,8 @@ class Scheduler:
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in plain + [s for s in decodes if s.draft_token_ids]:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
-        if self.fair_prompt_tokens and self.policy == "fair" and len(self._active_tenants(self.seats_by_tenant())) > 1:
-            budget = min(budget, self.fair_prompt_tokens)  # what is left of the budget is prompt work: capped
+        if self.policy == "fair" and 0 < self.fair_prompt_tokens < budget and self._tenants_share():
+            budget = self.fair_prompt_tokens  # what is left of the budget is prompt work: capped
         chunk_tenants = {s.request.tenant for s in chunks}
         light = set()  # tenants behind and below their share that start a prompt before others' chunks
         if self.policy == "fair" and chunk_tenants and not preempted:
@@ -237,6 +237,17 @@ class Scheduler:
         waiting = self.waiting.tenants()
         active = self._active_tenants(seats)
         return {t for t in waiting if seats[t] + 1 <= self._share(t, active)}
+
+    def _tenants_share(self) -> bool:
+        """Whether more than one tenant holds seats or waits (stops at the second one found)."""
+        tenants = set(self.waiting.tenants())
+        if len(tenants) > 1:
+            return True
+        for seq in self.running:
+            tenants.add(seq.request.tenant)
+            if len(tenants) > 1:
+                return True
+        return False
 
     def _active_tenants(self, seats: Counter[str]) -> set[str]:
         """Tenants holding seats or with sequences waiting."""

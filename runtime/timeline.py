@@ -29,6 +29,8 @@ class StepShape:
 
 @dataclass
 class RequestTimeline:
+    """One request's stamps: set on the engine thread, read by the service once the request has ended."""
+
     queued_at: float | None = None  # handed to the engine (Engine.add)
     queued_step: int = 0  # the engine's step count then
     first_scheduled: StepShape | None = None  # the step that computed its first prompt tokens

@@ -196,7 +196,7 @@ class Generation:
             return None if at is None else round(1000 * (at - origin), 2)
 
         for stream, request in zip(self.streams, self.requests):
-            timeline = getattr(request, "timeline", None)  # a remote worker's request has none here
+            timeline = request.timeline  # None behind Dynamo: the worker's engine steps it
             log.info("request trace", request_id=stream.request_id, tenant=self.tenant.tenant_id,
                      prompt_tokens=stream.num_prompt_tokens, cached_tokens=stream.num_cached_tokens,
                      admitted_ms=ms(self.admitted_at), submitted_ms=ms(self.submitted_at),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Engine, SamplingParams
+from runtime import Engine
 from runtime.model import ggml_blocks, quantized
 from runtime.model.quantized import Int4Weight, Int8Weight
 from runtime.perplexity import perplexity

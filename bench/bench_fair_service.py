@@ -9,12 +9,15 @@ output tokens, ignore_eos); tenant B sends one streamed completion a second (LIG
 prompt, LIGHT_OUTPUT output) while the flood lasts. A runs in a process of its own, so reading
 its 200 streams never delays B's client. Each policy is also measured with B alone.
 
-Three regimes:
+Four regimes:
 - admission: engine.max_num_seqs 64 and server.max_queued_requests 0: the flood fills the seats and
              its overflow waits at the front door (service/admission.py), which lets B in below its share;
 - queue:     64 seats and the default queue of 256: the overflow waits in the engine's queue, where
              the scheduler's policy orders it;
-- engine:    256 seats, more than the flood has requests: nothing waits for a seat, the step decides.
+- engine:    256 seats, more than the flood has requests: nothing waits for a seat, the step decides;
+- dynamo:    the queue regime behind Dynamo: one `pagedserve worker` (the policy is its engine's) and a
+             front door `pagedserve serve --router dynamo` in front of it. The trace is the embedded
+             server's, so --trace leaves this regime out.
 
 Reported per regime and policy (medians of the repeats): B's TTFT p50 / p99 under the flood and
 alone, the flood's output tokens per second, and the goals' ratios (B's TTFT p99 fair / fcfs
@@ -48,8 +51,9 @@ KEY_A, KEY_B = "sk-flood-a", "sk-light-b"
 FLOOD_REQUESTS, FLOOD_PROMPT, FLOOD_OUTPUT = 200, 512, 128
 LIGHT_PROMPT, LIGHT_OUTPUT, LIGHT_EVERY_S = 64, 32, 1.0
 ALONE_REQUESTS = 12
-# engine.max_num_seqs, server.max_queued_requests
-REGIMES = {"admission": (64, 0), "queue": (64, 256), "engine": (256, 0)}
+# engine.max_num_seqs, server.max_queued_requests, the router ("dynamo": a worker behind a front door)
+REGIMES = {"admission": (64, 0, "embedded"), "queue": (64, 256, "embedded"), "engine": (256, 0, "embedded"),
+           "dynamo": (64, 256, "dynamo")}
 POLICIES = ("fcfs", "fair")  # also "fair:N": fair with engine.fair_prompt_tokens_per_step N (fair:0, no cap)
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # token ids drawn for the prompts (stories260K's tokenizer: 512)
 
@@ -135,24 +139,35 @@ def _run(url: str, with_flood: bool, seed: int, flood_requests: int) -> dict:
             "flood": outcome, "b": light}
 
 
-def _start(model_dir: Path, folder: Path, policy: str, regime: tuple[int, int], trace: bool) -> tuple:
+def _start(model_dir: Path, folder: Path, policy: str, regime: tuple[int, int, str], trace: bool) -> tuple:
+    """The regime's processes for one policy (a server, or a Dynamo worker and its front door) and the URL."""
     folder.mkdir(parents=True)
-    port = free_port()
     tenants = write_tenants_file(folder / "tenants.toml", {"a": {"keys": [KEY_A], "plan": "standard"},
                                                            "b": {"keys": [KEY_B], "plan": "standard"}})
-    max_num_seqs, max_queued = regime
+    max_num_seqs, max_queued, router = regime
     scheduling, _, cap = policy.partition(":")
     env = {"PAGEDSERVE_ENGINE_SCHEDULING": scheduling, "PAGEDSERVE_ENGINE_MAX_NUM_SEQS": str(max_num_seqs),
            **({"PAGEDSERVE_ENGINE_FAIR_PROMPT_TOKENS_PER_STEP": cap} if cap else {}),  # else the default (256)
            "PAGEDSERVE_SERVER_MAX_QUEUED_REQUESTS": str(max_queued),
            "PAGEDSERVE_SERVER_ADMISSION_WAIT_S": "900",  # the flood's overflow waits its turn, it is not refused
            "PAGEDSERVE_SERVER_SERVED_MODEL_NAME": "bench", "PAGEDSERVE_SERVER_TRACE_REQUESTS": "1" if trace else "0"}
-    proc = start_process([str(REPO / ".venv" / "bin" / "python"), "-m", "service.cli", "serve", "--model",
-                          str(model_dir), "--port", str(port), "--data-dir", str(folder), "--tenants", str(tenants)],
-                         env=env, log_path=folder / "server.log")
+    python = str(REPO / ".venv" / "bin" / "python")
+    procs = []
+    serve = [python, "-m", "service.cli", "serve", "--model", str(model_dir), "--data-dir", str(folder),
+             "--tenants", str(tenants)]
+    if router == "dynamo":
+        discovery = folder / "discovery"
+        port = free_port()
+        worker = start_process([python, "-m", "service.cli", "worker", "--model", str(model_dir), "--discovery-dir",
+                                str(discovery), "--port", str(port)], env=env, log_path=folder / "worker.log")
+        procs.append(worker)
+        wait_http(f"http://127.0.0.1:{port}/ready", worker, timeout=300, log_path=folder / "worker.log")
+        serve += ["--router", "dynamo", "--discovery-dir", str(discovery)]
+    port = free_port()
+    procs.append(start_process(serve + ["--port", str(port)], env=env, log_path=folder / "server.log"))
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/ready", proc, timeout=300, log_path=folder / "server.log")
-    return proc, url
+    wait_http(url + "/ready", procs[-1], timeout=300, log_path=folder / "server.log")
+    return procs, url
 
 
 def main() -> None:
@@ -191,7 +206,7 @@ def main() -> None:
                         log_start = server_log.stat().st_size
                         result = _run(servers[policy][1], with_flood, 1000 * r + 10 * with_flood, flood_requests)
                         result["background_cpu_pct"] = background
-                        if args.trace:
+                        if args.trace and REGIMES[regime][2] == "embedded":
                             time.sleep(0.5)  # the last lines reach the file
                             result["trace"] = summarize(read_traces(server_log, log_start))
                             log(f"  trace of B: {json.dumps(result['trace'].get('b'))}")
@@ -202,8 +217,9 @@ def main() -> None:
                             f" ({result['b_requests']} requests)"
                             + (f", flood {flood['output_tok_s']:.0f} tok/s in {flood['wall_s']:.1f} s" if flood else ""))
             finally:
-                for proc, _ in servers.values():
-                    stop_process(proc)
+                for procs, _ in servers.values():
+                    for proc in reversed(procs):
+                        stop_process(proc)
     summary = {}
     for regime in regimes:
         row = {}
@@ -222,10 +238,10 @@ def main() -> None:
         "fair_service_" + "_".join([*regimes, *(p.replace(":", "") for p in policies)])
     path = write_result(name, args.quick, {
         "machine": machine_info(), "repeats": repeats, "policies": policies,
-        "load": {"flood_requests": FLOOD_REQUESTS, "flood_prompt": FLOOD_PROMPT, "flood_output": FLOOD_OUTPUT,
+        "load": {"flood_requests": flood_requests, "flood_prompt": FLOOD_PROMPT, "flood_output": FLOOD_OUTPUT,
                  "light_prompt": LIGHT_PROMPT, "light_output": LIGHT_OUTPUT, "light_every_s": LIGHT_EVERY_S},
-        "regimes": {r: {"max_num_seqs": REGIMES[r][0], "max_queued_requests": REGIMES[r][1]} for r in regimes},
-        "flood_requests": flood_requests,
+        "regimes": {r: {"max_num_seqs": REGIMES[r][0], "max_queued_requests": REGIMES[r][1], "router": REGIMES[r][2]}
+                    for r in regimes},
         "goals": {"fair_over_fcfs_b_ttft_p99": 1.0, "fair_flood_over_alone_b_ttft_p99": 2.0,
                   "fair_over_fcfs_flood_tok_s": 0.95},
         "summary": summary, "runs": runs})

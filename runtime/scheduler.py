@@ -258,8 +258,10 @@ class Scheduler:
         tenant furthest ahead if the next waiting sequence cannot start otherwise.
 
         Only where the waiting tenant stays within its share of seats by starting, its counter is
-        smaller than the victim tenant's, and the victim tenant keeps at least its own share: two
-        backlogged tenants never take seats back and forth (shares need not be whole numbers).
+        no larger than the victim tenant's, and the victim tenant keeps at least its own share: two
+        backlogged tenants never take seats back and forth (shares need not be whole numbers). A tie
+        takes the seat: a tenant back from idle is lifted to the others' floor, and waiting one step for
+        their counters to move on cost it a whole step (traced through the server, issue 36).
         The victim is that tenant's latest-arrived running request, so a request already
         preempted once (it keeps its place in arrival order) is not the next one taken again.
         """
@@ -279,7 +281,7 @@ class Scheduler:
             return
         counters = self.counters.counters
         ahead = [t for t, held in seats.items()
-                 if t != tenant and held - 1 >= self._share(t, active) and counters[t] > counters[tenant]]
+                 if t != tenant and held - 1 >= self._share(t, active) and counters[t] >= counters[tenant]]
         if not ahead:
             return
         victim_tenant = max(ahead, key=lambda t: counters[t])

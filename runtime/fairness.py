@@ -14,20 +14,21 @@ recomputation is the engine's doing and is not charged again.
                B: b1                     counter B = 9,150   (lifted on arrival, then A ran on)
     admit:     b1 first (smallest counter among tenants with requests waiting)
 
-- The queue admits from the backlogged tenant with the smallest counter (ties: the earlier
-  head), taking first the tenants that hold fewer seats than their weighted share of
-  max_num_seqs (so one admission round does not hand every free seat to one tenant).
+- The queue admits from the backlogged tenant with the smallest counter (ties: the tenant
+  holding the smaller part of its share of seats, then the earlier head), taking first the
+  tenants that hold fewer seats than their weighted share of max_num_seqs (so one admission
+  round does not hand every free seat to one tenant).
   Within a tenant, lower `priority` first (vLLM's field), then arrival; a preempted
   sequence goes back to the head of its own tenant's line.
 - A tenant that sends with nothing waiting is lifted to the smallest counter of the tenants
   that have requests waiting (or, if none has, of those running), never lowered: being
   quiet banks no credit, and nobody is punished for having used capacity others left idle.
 - A tenant that stays within its weighted share of max_num_seqs by starting one more request,
-  and whose counter is the smaller, may take a seat from the tenant furthest ahead, if that
-  one keeps at least its own share (Scheduler.make_room): a light tenant's request then
-  starts within a step or two of arriving, not after the flood's running requests finish,
-  and two backlogged tenants never trade seats back and forth, even with shares that are
-  not whole numbers.
+  and whose counter is not the larger, may take a seat from the tenant furthest ahead, if that
+  one keeps at least its own share of seats or of the pool's pages (Scheduler.make_room): a
+  light tenant's request then starts in the step it arrives, not after the flood's running
+  requests finish, and two backlogged tenants never trade seats back and forth, even with
+  shares that are not whole numbers.
 - Page-pressure preemption takes its victim from the tenant furthest ahead.
 
 "fcfs" keeps one line in arrival order (preempted sequences at its head) and ignores tenants.
@@ -38,11 +39,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 
 from runtime.request import Sequence
 
 SCHEDULING_POLICIES = ("fcfs", "fair")
+_NONE_FIRST: Mapping[str, float] = MappingProxyType({})  # no tenant taken first
 
 
 class VirtualTokenCounters:
@@ -93,11 +96,11 @@ class FcfsQueue:
     def push_front(self, seq: Sequence) -> None:
         self._line.appendleft(seq)
 
-    def peek(self, first: frozenset[str] | set[str] = frozenset()) -> Sequence | None:
+    def peek(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence | None:
         """The line's head (`first` is the fair queue's; arrival order ignores tenants)."""
         return self._line[0] if self._line else None
 
-    def pop(self, first: frozenset[str] | set[str] = frozenset()) -> Sequence:
+    def pop(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence:
         """Remove and return what peek() returned."""
         return self._line.popleft()
 
@@ -142,21 +145,23 @@ class FairQueue:
         heapq.heappush(self._lines.setdefault(seq.request.tenant, []), entry)
         self._size += 1
 
-    def _head_line(self, first: frozenset[str] | set[str]) -> list[tuple[int, int, int, Sequence]] | None:
+    def _head_line(self, first: Mapping[str, float]) -> list[tuple[int, int, int, Sequence]] | None:
         best, best_key = None, None
         for tenant, line in self._lines.items():
-            key = (tenant not in first, self.counters.counters[tenant], line[0][0], line[0][2])
+            key = (tenant not in first, self.counters.counters[tenant], first.get(tenant, 0.0), line[0][0], line[0][2])
             if best_key is None or key < best_key:
                 best, best_key = line, key
         return best
 
-    def peek(self, first: frozenset[str] | set[str] = frozenset()) -> Sequence | None:
+    def peek(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence | None:
         """The next sequence: the head of the smallest counter's line, tenants in `first` (below their share
-        of seats) before the others."""
+        of seats, each with the part of its share it holds) before the others; on equal counters, the tenant
+        holding the smaller part of its share (a tenant lifted to the others' floor on arrival ties with
+        them, and a flood's long head that cannot get its pages must not hold it back)."""
         line = self._head_line(first)
         return line[0][3] if line is not None else None
 
-    def pop(self, first: frozenset[str] | set[str] = frozenset()) -> Sequence:
+    def pop(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence:
         """Remove and return what peek(first) returned."""
         line = self._head_line(first)
         if line is None:

@@ -123,10 +123,12 @@ class KVCacheManager:
             return False
         return table[seq.num_computed_tokens // self.block_size].ref_count == 1
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = ()) -> bool:
-        """Whether the pool can hold `num_new_tokens` more tokens of `seq` (after `cached`)."""
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = (), reserve: int = 0) -> bool:
+        """Whether the pool can hold `num_new_tokens` more tokens of `seq` (after `cached`), with `reserve` pages
+        left over for others."""
         cached = list(cached)
-        return self._fits(*self._blocks_needed(seq, num_new_tokens, cached), cached)
+        num_new_pages, needs_copy = self._blocks_needed(seq, num_new_tokens, cached)
+        return self._fits(num_new_pages + reserve, needs_copy, cached)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] = ()) -> list[tuple[int, int]]:
         """Take the pages for `num_new_tokens` more tokens; returns (src, dst) page copies to run first.

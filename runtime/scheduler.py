@@ -28,7 +28,8 @@ preempted: its pages go back, its computed count drops to 0, and it waits at the
 its line to be recomputed (its tokens are kept, so its output does not change). If that
 sequence is the one asking, it preempts itself. Under "fair", a step may also begin by
 preempting one sequence of the tenant furthest ahead so that a tenant below its share of
-seats can start (fairness.py says when).
+seats can start, where the one ahead keeps its share of seats or of pages (fairness.py says
+when).
 """
 
 from __future__ import annotations
@@ -230,13 +231,16 @@ class Scheduler:
         weights = self.counters.weights
         return self.max_num_seqs * weights[tenant] / sum(weights[t] for t in active | {tenant})
 
-    def _below_share(self, seats: Counter[str]) -> set[str]:
-        """Waiting tenants that could start one more sequence and stay within their share of seats."""
+    def _below_share(self, seats: Counter[str]) -> dict[str, float]:
+        """Waiting tenants that could start one more sequence and stay within their share of seats, each with
+        the part of its share it holds (the queue's tie-break: of two tenants level on counters, the one
+        further below its share starts first)."""
         if self.policy != "fair":
-            return set()
+            return {}
         waiting = self.waiting.tenants()
         active = self._active_tenants(seats)
-        return {t for t in waiting if seats[t] + 1 <= self._share(t, active)}
+        shares = {t: self._share(t, active) for t in waiting}
+        return {t: seats[t] / share for t, share in shares.items() if seats[t] + 1 <= share}
 
     def _tenants_share(self) -> bool:
         """Whether more than one tenant holds seats or waits (stops at the second one found)."""
@@ -255,15 +259,19 @@ class Scheduler:
 
     def make_room(self) -> None:
         """Under "fair", before a step (and before drafts are made for it): preempt one sequence of the
-        tenant furthest ahead if the next waiting sequence cannot start otherwise.
+        tenant furthest ahead if the next waiting sequence cannot start otherwise (its first chunk's pages
+        counted after those this step's decodes take).
 
         Only where the waiting tenant stays within its share of seats by starting, its counter is
-        no larger than the victim tenant's, and the victim tenant keeps at least its own share: two
-        backlogged tenants never take seats back and forth (shares need not be whole numbers). A tie
-        takes the seat: a tenant back from idle is lifted to the others' floor, and waiting one step for
-        their counters to move on cost it a whole step (traced through the server, issue 36).
-        The victim is that tenant's latest-arrived running request, so a request already
-        preempted once (it keeps its place in arrival order) is not the next one taken again.
+        no larger than the victim tenant's, and the victim tenant keeps at least its own share of seats
+        or of the pool's pages: two backlogged tenants never take seats or pages back and forth (shares
+        need not be whole numbers). Pages count because they bind first when prompts are long: a
+        flood of 640-token requests fills the pool with fewer sequences than its share of seats, and a
+        light tenant then waited for one of them to finish (traced through the server, issue 36). A
+        tie takes the seat: a tenant back from idle is lifted to the others' floor, and waiting one step
+        for their counters to move on cost it a whole step. The victim is that tenant's latest-arrived
+        running request, so a request already preempted once (it keeps its place in arrival order) is
+        not the next one taken again.
         """
         self._room_made = True
         if self.policy != "fair" or not self.waiting:
@@ -274,22 +282,31 @@ class Scheduler:
         needed = self._num_seats(head)
         if sum(seats.values()) + needed <= self.max_num_seqs:
             cached, first_chunk = self._first_chunk(head, max(1, self.max_num_batched_tokens - len(self.running)))
-            if self.kv.can_allocate(head, first_chunk, cached):
+            decode_pages = sum(1 for s in self.running
+                               if s.num_tokens - s.num_computed_tokens == 1 and not self.kv.has_room(s, 1))
+            if self.kv.can_allocate(head, first_chunk, cached, reserve=decode_pages):
                 return  # it starts this step without anyone's seat
         active = self._active_tenants(seats)
         if seats[tenant] + needed > self._share(tenant, active):
             return
         counters = self.counters.counters
-        ahead = [t for t, held in seats.items()
-                 if t != tenant and held - 1 >= self._share(t, active) and counters[t] >= counters[tenant]]
-        if not ahead:
+        pages = Counter()
+        for seq in self.running:
+            pages[seq.request.tenant] += len(self.kv.block_ids(seq))
+        victims = {}
+        for t, held in seats.items():
+            if t == tenant or counters[t] < counters[tenant]:
+                continue
+            victim = max((s for s in self.running if s.request.tenant == t and not s.request.fork_pending),
+                         key=lambda s: s.request.arrival_order, default=None)
+            if victim is None:
+                continue
+            page_share = self.kv.pool.num_blocks * self._share(t, active) / self.max_num_seqs
+            if held - 1 >= self._share(t, active) or pages[t] - len(self.kv.block_ids(victim)) >= page_share:
+                victims[t] = victim
+        if not victims:
             return
-        victim_tenant = max(ahead, key=lambda t: counters[t])
-        victim = max((s for s in self.running if s.request.tenant == victim_tenant and not s.request.fork_pending),
-                     key=lambda s: s.request.arrival_order, default=None)
-        if victim is None:
-            return
-        self.preempt(victim)
+        self.preempt(victims[max(victims, key=lambda t: counters[t])])
         self.num_fair_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str],
@@ -306,7 +323,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             first = self._below_share(seats)
             if chunk_tenants is not None:
-                first = {t for t in first - chunk_tenants if counters[t] <= chunks_floor}
+                first = {t: held for t, held in first.items() if t not in chunk_tenants and counters[t] <= chunks_floor}
                 if not first:
                     break
             seq = self.waiting.peek(first)

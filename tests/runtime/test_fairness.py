@@ -280,3 +280,42 @@ def test_neither_policy_starts_a_cached_prompt_ahead_of_an_earlier_uncached_one(
                 cached[output.request_id] = output.num_cached_tokens
     assert started == sent
     assert [cached[r] > 0 for r in sent] == [i % 2 == 0 for i in range(8)]  # the hits did hit
+
+
+def test_the_fair_queue_breaks_a_counter_tie_for_the_tenant_further_below_its_share():
+    counters = VirtualTokenCounters(1.0, 2.0)
+    queue = FairQueue(counters)
+    for tenant in "ab":
+        counters.register(tenant, 1.0)
+    counters.charge("a", num_input=50)
+    counters.lift("b", ["a"])  # b arrives: level with a
+    flood_head, light = make_seq("a0", 40, "a"), make_seq("b0", 4, "b")
+    queue.push_front(flood_head)  # a preempted sequence: the head of a's line
+    queue.push(light)
+    assert queue.peek({"a": 0.9, "b": 0.1}) is light  # a holds 90% of its share, b 10%
+    assert queue.peek({"a": 0.1, "b": 0.9}) is flood_head
+    assert queue.pop({"a": 0.9, "b": 0.1}) is light
+
+
+def test_fair_a_light_tenant_starts_in_the_step_it_arrives_when_the_floods_pages_bind_before_its_seats():
+    """bench_fair_service.py's load in small: the flood's long prompts fill the pool with fewer sequences than
+    its share of seats (7 of 8). The light tenant, level with the flood on arrival, starts in the step it
+    arrives every time: the queue takes it before the flood's head, and the flood, holding more than its share
+    of pages, gives one sequence back when too few pages are left after this step's decodes."""
+    sched = Scheduler(KVCacheManager(160, BS, True), 16, 256, "fair", fair_prompt_tokens=64)
+    for i in range(60):
+        sched.add(make_seq(f"a{i}", 60, "a", max_tokens=24))
+    late, num_arrivals = [], 0
+    for step_no in range(2000):
+        light = None
+        if step_no % 7 == 3 and sched.waiting.depth("a"):  # while the flood is backlogged
+            light = make_seq(f"b{step_no}", 8, "b", max_tokens=6)
+            sched.add(light)
+            num_arrivals += 1
+        if light not in step(sched) and light is not None:
+            late.append(step_no)
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished() and num_arrivals > 20
+    assert late == []
+    assert sched.num_fair_preemptions <= num_arrivals  # at most one of the flood's sequences per arrival

@@ -89,6 +89,10 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
         raise ConfigError(f"speculative config: {exc}") from None
 
 
+# engine.scheduling: runtime/scheduling_policy.py registers a policy under each name
+SCHEDULING_NAMES = ("fcfs", "fair")
+
+
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the engine sizes its KV cache and batches."""
 
@@ -104,7 +108,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     kernel_backend: str = "auto"
     pinned_block_budget: int = 64  # pages that pinned prefixes may hold in all
-    quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its Q4/Q8), none, int8, int4
+    quantization: str = "auto"  # matmul weights: auto (a GGUF keeps its quantized groups), none, int8, int4
     speculative_config: SpeculativeConfig | None = None  # None: no method (a request's `prediction` still drafts)
     # who is admitted next: "fcfs" (arrival order) or "fair" (virtual token counters per tenant, runtime/fairness.py)
     scheduling: str = "fair"  # measured: BENCHMARKS section 19
@@ -128,8 +132,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"engine.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ConfigError(f"engine.quantization must be auto, none, int8 or int4, got {self.quantization!r}")
-        if self.scheduling not in ("fcfs", "fair"):
-            raise ConfigError(f"engine.scheduling must be fcfs or fair, got {self.scheduling!r}")
+        if self.scheduling not in SCHEDULING_NAMES:
+            raise ConfigError(f"engine.scheduling must be one of {', '.join(SCHEDULING_NAMES)}, got {self.scheduling!r}")
         if self.fair_input_weight < 0 or self.fair_output_weight < 0 or \
                 self.fair_input_weight + self.fair_output_weight <= 0:
             raise ConfigError("engine.fair_input_weight and fair_output_weight must be >= 0, not both 0")

@@ -481,7 +481,7 @@ class Engine(RequestBuilder):
             "spec_decode_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
             "spec_decode_accepted_per_position": list(self.speculator.stats.accepted_per_position),
             **self._draft_stats(),
-            "scheduling": self.scheduler.policy,
+            "scheduling": self.scheduler.policy.name,
             "tenants": self.scheduler.tenant_stats(),
         }
 

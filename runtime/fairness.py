@@ -25,7 +25,7 @@ recomputation is the engine's doing and is not charged again.
   quiet banks no credit, and nobody is punished for having used capacity others left idle.
 - A tenant that stays within its weighted share of max_num_seqs by starting one more request,
   and whose counter is not the larger, may take a seat from the tenant furthest ahead, if that
-  one keeps at least its own share of seats or of the pool's pages (Scheduler.make_room): a
+  one keeps at least its own share of seats or of the pool's pages (FairPolicy.room_victim): a
   light tenant's request then starts in the step it arrives, not after the flood's running
   requests finish, and two backlogged tenants never trade seats back and forth, even with
   shares that are not whole numbers.
@@ -44,8 +44,7 @@ from types import MappingProxyType
 
 from runtime.request import Sequence
 
-SCHEDULING_POLICIES = ("fcfs", "fair")
-_NONE_FIRST: Mapping[str, float] = MappingProxyType({})  # no tenant taken first
+NO_TENANT_FIRST: Mapping[str, float] = MappingProxyType({})  # no tenant taken first
 
 
 class VirtualTokenCounters:
@@ -96,11 +95,11 @@ class FcfsQueue:
     def push_front(self, seq: Sequence) -> None:
         self._line.appendleft(seq)
 
-    def peek(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence | None:
+    def peek(self, first: Mapping[str, float] = NO_TENANT_FIRST) -> Sequence | None:
         """The line's head (`first` is the fair queue's; arrival order ignores tenants)."""
         return self._line[0] if self._line else None
 
-    def pop(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence:
+    def pop(self, first: Mapping[str, float] = NO_TENANT_FIRST) -> Sequence:
         """Remove and return what peek() returned."""
         return self._line.popleft()
 
@@ -153,7 +152,7 @@ class FairQueue:
                 best, best_key = line, key
         return best
 
-    def peek(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence | None:
+    def peek(self, first: Mapping[str, float] = NO_TENANT_FIRST) -> Sequence | None:
         """The next sequence: the head of the smallest counter's line, tenants in `first` (below their share
         of seats, each with the part of its share it holds) before the others; on equal counters, the tenant
         holding the smaller part of its share (a tenant lifted to the others' floor on arrival ties with
@@ -161,7 +160,7 @@ class FairQueue:
         line = self._head_line(first)
         return line[0][3] if line is not None else None
 
-    def pop(self, first: Mapping[str, float] = _NONE_FIRST) -> Sequence:
+    def pop(self, first: Mapping[str, float] = NO_TENANT_FIRST) -> Sequence:
         """Remove and return what peek(first) returned."""
         line = self._head_line(first)
         if line is None:

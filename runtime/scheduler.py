@@ -28,8 +28,8 @@ preempted: its pages go back, its computed count drops to 0, and it waits at the
 its line to be recomputed (its tokens are kept, so its output does not change). If that
 sequence is the one asking, it preempts itself. Under "fair", a step may also begin by
 preempting one sequence of the tenant furthest ahead so that a tenant below its share of
-seats can start, where the one ahead keeps its share of seats or of pages (fairness.py says
-when).
+seats can start, where the one ahead keeps its share of seats or of pages
+(runtime/scheduling_policy.py, FairPolicy.room_victim, says when).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from runtime.fairness import SCHEDULING_POLICIES, FairQueue, FcfsQueue, VirtualTokenCounters
+from runtime.fairness import FairQueue, FcfsQueue, VirtualTokenCounters
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Sequence, SequenceStatus
+from runtime.scheduling_policy import scheduling_policy_class
 
 
 @dataclass
@@ -91,19 +92,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; moves sequences between them."""
+    """Owns the waiting queue and the running list; moves sequences between them. The decisions about tenants are
+    the policy's (runtime/scheduling_policy.py, registered by name: `policy`)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
                  input_weight: float = 1.0, output_weight: float = 2.0, fair_prompt_tokens: int = 0) -> None:
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        policy_class = scheduling_policy_class(policy)
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
-        self.fair_prompt_tokens = fair_prompt_tokens  # under "fair" with tenants sharing: prompt tokens a step (0: no cap)
         self.counters = VirtualTokenCounters(input_weight, output_weight)  # kept under fcfs too: the metrics
-        self.waiting: FcfsQueue | FairQueue = FairQueue(self.counters) if policy == "fair" else FcfsQueue()
+        self.policy = policy_class(self.counters, fair_prompt_tokens)
+        self.waiting: FcfsQueue | FairQueue = self.policy.new_queue()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()  # arrival order of requests (a preempted one keeps its place)
         self._room_made = False  # make_room ran for the coming step
@@ -119,22 +119,19 @@ class Scheduler:
         return list(self._scheduled)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Under "fair", a tenant with nothing waiting is lifted to the floor of the
-        tenants that have (or, if none has, of those running): waiting banks no credit."""
+        """Queue a new sequence (the policy sees it arrive first: under "fair", its tenant may be lifted)."""
         request = seq.request
-        tenant = request.tenant
         if request.arrival_order < 0:
             request.arrival_order = next(self._arrivals)
-        self.counters.register(tenant, request.tenant_weight)
-        if self.policy == "fair" and not self.waiting.depth(tenant):
-            self.counters.lift(tenant, self.waiting.tenants() or self.seats_by_tenant())
+        self.counters.register(request.tenant, request.tenant_weight)
+        self.policy.on_arrival(self, seq)
         self.waiting.push(seq)
 
     def seats_by_tenant(self) -> Counter[str]:
         """Seats each tenant holds: its running sequences (a pending fork holds its n)."""
         seats: Counter[str] = Counter()
         for seq in self.running:
-            seats[seq.request.tenant] += self._num_seats(seq)
+            seats[seq.request.tenant] += self.num_seats(seq)
         return seats
 
     def has_unfinished(self) -> bool:
@@ -161,11 +158,10 @@ class Scheduler:
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in plain + [s for s in decodes if s.draft_token_ids]:
             budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
-        if self.policy == "fair" and 0 < self.fair_prompt_tokens < budget and self._tenants_share():
-            budget = self.fair_prompt_tokens  # what is left of the budget is prompt work: capped
+        budget = self.policy.prompt_budget(self, budget)  # what is left of the budget is prompt work
         chunk_tenants = {s.request.tenant for s in chunks}
         light = set()  # tenants behind and below their share that start a prompt before others' chunks
-        if self.policy == "fair" and chunk_tenants and not preempted:
+        if self.policy.by_tenant and chunk_tenants and not preempted:
             num_entries = len(batch.entries)
             budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants)
             light = {seq.request.tenant for seq in self._scheduled[num_entries:]}
@@ -217,120 +213,45 @@ class Scheduler:
         return drafts
 
     @staticmethod
-    def _num_seats(seq: Sequence) -> int:
+    def num_seats(seq: Sequence) -> int:
         """Sequences this one will be: n while its fork is pending, else 1."""
         return seq.request.params.n if seq.request.fork_pending else 1
 
-    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list, int]:
+    def first_chunk(self, seq: Sequence, budget: int) -> tuple[list, int]:
         """A waiting sequence's cached prefix pages and the tokens it would compute first, within `budget`."""
         cached = self.kv.find_cached_prefix(seq)
         return cached, min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
 
-    def _share(self, tenant: str, active: set[str]) -> float:
-        """The tenant's weighted share of max_num_seqs among the active tenants."""
-        weights = self.counters.weights
-        return self.max_num_seqs * weights[tenant] / sum(weights[t] for t in active | {tenant})
-
-    def _below_share(self, seats: Counter[str]) -> dict[str, float]:
-        """Waiting tenants that could start one more sequence and stay within their share of seats, each with
-        the part of its share it holds (the queue's tie-break: of two tenants level on counters, the one
-        further below its share starts first)."""
-        if self.policy != "fair":
-            return {}
-        waiting = self.waiting.tenants()
-        active = self._active_tenants(seats)
-        shares = {t: self._share(t, active) for t in waiting}
-        return {t: seats[t] / share for t, share in shares.items() if seats[t] + 1 <= share}
-
-    def _tenants_share(self) -> bool:
-        """Whether more than one tenant holds seats or waits (stops at the second one found)."""
-        tenants = set(self.waiting.tenants())
-        if len(tenants) > 1:
-            return True
-        for seq in self.running:
-            tenants.add(seq.request.tenant)
-            if len(tenants) > 1:
-                return True
-        return False
-
-    def _active_tenants(self, seats: Counter[str]) -> set[str]:
-        """Tenants holding seats or with sequences waiting."""
-        return set(seats) | set(self.waiting.tenants())
-
     def make_room(self) -> None:
-        """Under "fair", before a step (and before drafts are made for it): preempt one sequence of the
-        tenant furthest ahead if the next waiting sequence cannot start otherwise (its first chunk's pages
-        counted after those this step's decodes take).
-
-        Only where the waiting tenant stays within its share of seats by starting, its counter is
-        no larger than the victim tenant's, and the victim tenant keeps at least its own share of seats
-        or of the pool's pages: two backlogged tenants never take seats or pages back and forth (shares
-        need not be whole numbers). Pages count because they bind first when prompts are long: a
-        flood of 640-token requests fills the pool with fewer sequences than its share of seats, and a
-        light tenant then waited for one of them to finish (traced through the server, issue 36). A
-        tie takes the seat: a tenant back from idle is lifted to the others' floor, and waiting one step
-        for their counters to move on cost it a whole step. The victim is that tenant's latest-arrived
-        running request, so a request already preempted once (it keeps its place in arrival order) is
-        not the next one taken again.
-        """
+        """Before a step (and before drafts are made for it): preempt the one sequence the policy names so that a
+        tenant below its share starts (under "fair"; runtime/scheduling_policy.py says when)."""
         self._room_made = True
-        if self.policy != "fair" or not self.waiting:
-            return
-        seats = self.seats_by_tenant()
-        head = self.waiting.peek(self._below_share(seats))
-        tenant = head.request.tenant
-        needed = self._num_seats(head)
-        if sum(seats.values()) + needed <= self.max_num_seqs:
-            cached, first_chunk = self._first_chunk(head, max(1, self.max_num_batched_tokens - len(self.running)))
-            decode_pages = sum(1 for s in self.running
-                               if s.num_tokens - s.num_computed_tokens == 1 and not self.kv.has_room(s, 1))
-            if self.kv.can_allocate(head, first_chunk, cached, reserve=decode_pages):
-                return  # it starts this step without anyone's seat
-        active = self._active_tenants(seats)
-        if seats[tenant] + needed > self._share(tenant, active):
-            return
-        counters = self.counters.counters
-        pages = Counter()
-        for seq in self.running:
-            pages[seq.request.tenant] += len(self.kv.block_ids(seq))
-        victims = {}
-        for t, held in seats.items():
-            if t == tenant or counters[t] < counters[tenant]:
-                continue
-            victim = max((s for s in self.running if s.request.tenant == t and not s.request.fork_pending),
-                         key=lambda s: s.request.arrival_order, default=None)
-            if victim is None:
-                continue
-            page_share = self.kv.pool.num_blocks * self._share(t, active) / self.max_num_seqs
-            if held - 1 >= self._share(t, active) or pages[t] - len(self.kv.block_ids(victim)) >= page_share:
-                victims[t] = victim
-        if not victims:
-            return
-        self.preempt(victims[max(victims, key=lambda t: counters[t])])
-        self.num_fair_preemptions += 1
+        victim = self.policy.room_victim(self)
+        if victim is not None:
+            self.preempt(victim)
+            self.num_fair_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str],
                        chunk_tenants: set[str] | None = None) -> int:
         """Start waiting sequences in the queue's order while seats, budget and pages last; returns the budget
         left. Given chunk_tenants (the tenants with prompt chunks to run this step), this is the admission
         before those chunks: only tenants below their share of seats, not among them, and with a counter no
-        larger than theirs start (each start is charged at once, so a tenant goes first only while it is
-        behind: it never starves the others' prompts; a tolerance of one step's budget did, measured)."""
-        num_seats = sum(self._num_seats(s) for s in self.running)  # pending forks hold their n seats
-        seats = self.seats_by_tenant() if self.policy == "fair" else Counter()
-        counters = self.counters.counters
-        chunks_floor = min((counters[t] for t in chunk_tenants or ()), default=0.0)
+        larger than theirs start (the policy's light_tenants)."""
+        num_seats = sum(self.num_seats(s) for s in self.running)  # pending forks hold their n seats
+        policy = self.policy
+        seats = self.seats_by_tenant() if policy.by_tenant else Counter()
         while self.waiting and budget > 0:
-            first = self._below_share(seats)
-            if chunk_tenants is not None:
-                first = {t: held for t, held in first.items() if t not in chunk_tenants and counters[t] <= chunks_floor}
+            if chunk_tenants is None:
+                first = policy.first_tenants(self, seats)
+            else:
+                first = policy.light_tenants(self, seats, chunk_tenants)
                 if not first:
                     break
             seq = self.waiting.peek(first)
             request = seq.request
-            if num_seats + self._num_seats(seq) > self.max_num_seqs and self.running:
+            if num_seats + self.num_seats(seq) > self.max_num_seqs and self.running:
                 break
-            cached, num_new = self._first_chunk(seq, budget)
+            cached, num_new = self.first_chunk(seq, budget)
             num_cached = len(cached) * self.kv.block_size
             if not self.kv.can_allocate(seq, num_new, cached):
                 break
@@ -341,11 +262,11 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += num_cached
             self.waiting.pop(first)
-            seats[request.tenant] += self._num_seats(seq)
+            seats[request.tenant] += self.num_seats(seq)
             seq.status = SequenceStatus.RUNNING
             seq.draft_token_ids = []
             self.running.append(seq)
-            num_seats += self._num_seats(seq)
+            num_seats += self.num_seats(seq)
             self._add_to_batch(batch, seq, num_new, [], scheduled)
             budget -= num_new
         return budget
@@ -374,12 +295,7 @@ class Scheduler:
     def _pick_victim(self, asking: Sequence, scheduled: set[str]) -> Sequence:
         """The newest running sequence not scheduled this step (under "fair": the furthest-ahead tenant's first)."""
         candidates = [s for s in reversed(self.running) if s is not asking and s.seq_id not in scheduled]
-        if not candidates:
-            return asking
-        if self.policy == "fair":
-            counters = self.counters.counters
-            return max(candidates, key=lambda s: (counters[s.request.tenant], s.request.arrival_order))
-        return candidates[0]
+        return self.policy.pick_victim(self, candidates) if candidates else asking
 
     def preempt(self, seq: Sequence) -> None:
         """Give back the sequence's pages; it will be recomputed from its tokens."""

@@ -6,14 +6,14 @@ import argparse
 import os
 import sys
 
-from config.settings import TOOL_CALL_PARSERS
+from config.settings import SCHEDULING_NAMES, TOOL_CALL_PARSERS
 from service.logs import configure_logging
 
 MODEL_HELP = "Hugging Face checkpoint folder, a GGUF file (llama.cpp's format), or 'demo' (random weights)"
 DTYPE_HELP = "float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16)"
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
-QUANTIZATION_HELP = ("matmul weights: auto (a GGUF keeps Q4_0/Q4_1 as int4 and Q8_0 as int8), none (dense), "
-                     "int8 (per row) or int4 (per 32 inputs) at load")
+QUANTIZATION_HELP = ("matmul weights: auto (a GGUF's quantized types keep their own groups where a CPU kernel runs "
+                     "them, others dense), none (dense), int8 (per row) or int4 (per 32 inputs) at load")
 SPECULATIVE_HELP = ("speculative decoding, as vLLM's JSON: "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
                     "the output is the same as without it")
@@ -118,7 +118,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
-    parser.add_argument("--scheduling", choices=("fcfs", "fair"), default=None,
+    parser.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=None,
                         help="who starts next: fair (per-tenant virtual token counters, weighted by each plan's "
                              "weight; the default) or fcfs (arrival order)")
     parser.add_argument("--discovery-dir", default=None,

@@ -319,3 +319,24 @@ def test_fair_a_light_tenant_starts_in_the_step_it_arrives_when_the_floods_pages
     assert not sched.has_unfinished() and num_arrivals > 20
     assert late == []
     assert sched.num_fair_preemptions <= num_arrivals  # at most one of the flood's sequences per arrival
+
+
+def test_the_policies_are_objects_registered_by_name_and_settings_and_the_cli_take_exactly_those_names():
+    from config import ConfigError, load_settings
+    from config.settings import SCHEDULING_NAMES
+    from runtime.scheduling_policy import SCHEDULING_POLICIES
+    from service.cli import build_parser
+
+    assert {name: maker(VirtualTokenCounters(1.0, 2.0), 0).name for name, maker in SCHEDULING_POLICIES.items()} == \
+        {"fcfs": "fcfs", "fair": "fair"}
+    assert set(SCHEDULING_NAMES) == set(SCHEDULING_POLICIES)  # config names them without importing the runtime
+    for name in SCHEDULING_POLICIES:
+        assert make_scheduler(name).policy.name == name
+        assert load_settings(environ={}, overrides={"engine": {"scheduling": name}}).engine.scheduling == name
+        assert build_parser().parse_args(["serve", "--scheduling", name]).scheduling == name
+    with pytest.raises(ValueError, match="'fcfs', 'fair'.*'lottery'"):
+        make_scheduler("lottery")
+    with pytest.raises(ConfigError, match="scheduling"):
+        load_settings(environ={}, overrides={"engine": {"scheduling": "lottery"}})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--scheduling", "lottery"])

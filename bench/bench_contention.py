@@ -10,7 +10,7 @@ the repeats; then the same with torch on one thread.
 
 Part 2, what a server's threads cost (16 sequences, 2 torch threads, no spinner): the engine
 built and stepped on one thread, against built on one thread and stepped on another (what
-the server did before service/bridge.py's EngineThread), each in a fresh process,
+the server did before service/bridge/engine_thread.py's EngineThread), each in a fresh process,
 alternated. Results: bench/results/contention.json.
 """
 

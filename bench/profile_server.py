@@ -58,7 +58,7 @@ CATEGORIES = [
     ("engine: outputs + stats", "engine", ["Engine._make_output", "Engine.stats", "Engine.take_kv_events",
                                           "Engine._num_kv_tokens"]),
     ("engine: add requests", "engine", ["Engine.add ", "Engine.add_request"]),
-    ("engine: bridge (inbox, hand-off)", "engine", ["(service/bridge.py"]),
+    ("engine: bridge (inbox, hand-off)", "engine", ["(service/bridge/"]),
     ("loop: deliver to streams", "loop", ["EngineBridge._deliver", "(service/streams.py"]),
     ("loop: format + encode (SSE/JSON)", "loop", ["(service/api/formatting.py", "(msgspec"]),
     ("loop: request parsing + validation", "loop", ["(service/api/protocol.py", "Engine.prepare_request",
@@ -68,7 +68,7 @@ CATEGORIES = [
     ("loop: handlers (other service code)", "loop", ["(service/"]),
 ]
 ENGINE_WAITS = {  # leaf frame -> why the engine thread is not working
-    "EngineBridge._drain (service/bridge.py": "engine: idle, waiting for requests",
+    "EngineBridge._drain (service/bridge/engine_bridge.py": "engine: idle, waiting for requests",
     "Semaphore.acquire (threading.py": "engine: waiting for the loop to take its outputs (backpressure)",
 }
 LOOP_IDLE = ["Runner.run (asyncio/runners.py"]  # uvloop's C loop: polling sockets, or its own C work

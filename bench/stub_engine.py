@@ -3,7 +3,7 @@
 Each step gives every running request one token whose text is the time it was made
 (`time.perf_counter_ns() // 1000`, microseconds, then a space), so a client on the same
 machine can tell how long the token took to reach it. It answers everything the service's
-`EngineLike` protocol asks (service/bridge.py); it has no pages, so no KV events and no pins.
+`EngineLike` protocol asks (service/bridge/protocols.py); it has no pages, so no KV events and no pins.
 """
 
 from __future__ import annotations

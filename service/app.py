@@ -15,7 +15,9 @@ from redis.exceptions import RedisError
 from config import Settings
 from runtime.kv_events import KVEvent, net_hashes
 from service.api.accounts import create_pin, delete_pin, list_pins, prefix_index_lookup, restore_pin, usage
-from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
+from service.bridge.composition import load_engine, start_engine
+from service.bridge.engine_bridge import EngineBridge
+from service.bridge.protocols import EngineLike
 from service.api import dashboard
 from service.billing.journal import UsageJournal
 from service.billing.ledger import RedisLedger, SQLiteLedger

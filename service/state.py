@@ -15,7 +15,7 @@ from runtime.grammar import CompiledGrammar
 from runtime.structured_outputs import StructuredOutputs
 from service.billing.journal import UsageJournal
 from service.billing.ledger import Ledger
-from service.bridge import Bridge, ModelLike, Tokenizer
+from service.bridge.protocols import Bridge, ModelLike, Tokenizer
 from service.admission import AdmissionTimeout, FairAdmission
 from service.errors import APIError
 from service.grammars import LoopCompiles

@@ -36,7 +36,7 @@ from runtime.request import Request
 from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import load_tokenizer
-from service.bridge import StreamsInFlight
+from service.bridge.streams_in_flight import StreamsInFlight
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo, routing_namespace
 from service.errors import UnavailableError
@@ -59,7 +59,7 @@ class WorkerLost(UnavailableError):
 
 
 class RemoteModel(RequestBuilder):
-    """What the loop asks of an engine (service.bridge.ModelLike), for a model served by workers: the
+    """What the loop asks of an engine (service.bridge.protocols.ModelLike), for a model served by workers: the
     checkpoint's tokenizer and the workers' limits, so requests are validated before they leave (the
     worker checks again)."""
 

@@ -23,7 +23,9 @@ from aiohttp import web
 
 from config import Settings
 from runtime.sampling_params import InvalidRequestError
-from service.bridge import EngineBridge, EngineLike, load_engine, start_engine
+from service.bridge.composition import load_engine, start_engine
+from service.bridge.engine_bridge import EngineBridge
+from service.bridge.protocols import EngineLike
 from service.distributed import wire
 from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
 from service.distributed.kv_publisher import DynamoKvPublisher

@@ -61,7 +61,7 @@ def test_metrics_expose_the_documented_names(server):
 
 def test_the_engine_steps_on_the_thread_that_built_it(stories_dir):
     # torch's OpenMP pool is per OS thread: building on one thread and stepping on another
-    # leaves two pools competing for the cores (service/bridge.py)
+    # leaves two pools competing for the cores (service/bridge/engine_thread.py)
     from service.app import load_engine
     from tests.service.conftest import run_server, stories_settings
     from tests.service.http import json_body

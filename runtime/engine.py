@@ -19,6 +19,7 @@ from tqdm import tqdm
 import kernels
 from config import ConfigError, EngineSettings, load_engine_settings, parse_speculative_config
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine_snapshot import engine_stats, page_map
 from runtime.dtypes import resolve_dtype
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.kv_events import KVEvent
@@ -33,6 +34,7 @@ from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampler import Sampler
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.stop_rules import check_stop
 from runtime.timeline import RequestTimeline, StepShape
 from runtime.speculative.draft_model import DraftModelProposer
 from runtime.speculative.speculator import Speculator
@@ -352,35 +354,8 @@ class Engine(RequestBuilder):
         if token_logprobs is not None:
             seq.logprobs.append(token_logprobs)
             seq.cumulative_logprob += token_logprobs[token_id]
-        params = seq.params
-        reason, stop_reason = None, None
-        if token_id in params.stop_token_ids:
-            reason, stop_reason = "stop", token_id
-            seq.detokenizer.append_silent()
-        elif token_id in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None):
-            # a grammar allows EOS only where it may end: it ends there, whatever ignore_eos says
-            reason = "stop"
-            seq.detokenizer.append_silent()
-        else:
-            # min_tokens: no stop string ends the output before it (EOS and stop ids are not sampled there)
-            stop_string = seq.detokenizer.append(token_id, check_stop=seq.num_output_tokens > params.min_tokens)
-            if stop_string is not None:
-                reason, stop_reason = "stop", stop_string
-        grammar = seq.grammar
-        if grammar is not None and reason is None:
-            if not grammar.accept(token_id):  # the mask allowed it, so the grammar engine is at fault: end cleanly
-                log.warning("grammar refused a sampled token; ending the sequence", seq_id=seq.seq_id,
-                            token_id=token_id, error=grammar.error)
-                reason = "stop"
-            elif grammar.is_stopped:  # complete, and nothing may follow
-                reason = "stop"
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        reason, stop_reason = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
         if reason is not None:
-            if not isinstance(stop_reason, str):
-                stop_string = seq.detokenizer.flush()  # held bytes may complete a stop string
-                if stop_string is not None:
-                    reason, stop_reason = "stop", stop_string
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
 
@@ -461,83 +436,12 @@ class Engine(RequestBuilder):
     # --- introspection ------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Page and queue counters (the names the metrics and the dashboard use)."""
-        pool = self.kv.pool
-        return {
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_used_blocks": self.num_blocks - pool.num_free_blocks,
-            "num_cached_blocks": pool.num_cached_blocks,
-            "num_kv_tokens": self._num_kv_tokens(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
-            "num_pinned_blocks": self.kv.num_pinned_blocks,
-            "spec_decode_num_drafts": self.speculator.stats.num_drafts,
-            "spec_decode_num_draft_tokens": self.speculator.stats.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
-            "spec_decode_accepted_per_position": list(self.speculator.stats.accepted_per_position),
-            **self._draft_stats(),
-            "scheduling": self.scheduler.policy.name,
-            "tenants": self.scheduler.tenant_stats(),
-        }
-
-    def _draft_stats(self) -> dict:
-        draft = self.speculator.method
-        if not isinstance(draft, DraftModelProposer):
-            return {}
-        return {"draft_num_blocks": draft.num_blocks, "draft_num_used_blocks": draft.num_used_blocks,
-                "draft_num_skipped_for_pages": draft.num_skipped_for_pages}
+        """Page and queue counters (the names the metrics and the dashboard use: runtime/engine_snapshot.py)."""
+        return engine_stats(self)
 
     def page_map(self) -> dict:
-        """A snapshot of every page and every live sequence's page table (the dashboard's picture).
-
-        blocks: parallel lists over block ids: ref_count, cached (holds a hashed full block),
-        owner (index into `sequences` of the first live sequence listing it, -1 if none).
-        sequences: each live sequence's ids, progress and block table (logical -> physical).
-        contiguous_max_len_tokens: what reserving max_model_len slots per live sequence
-        would take right now, for comparison with the pages actually in use.
-        """
-        pool = self.kv.pool
-        sequences = []
-        owner = [-1] * self.num_blocks
-        live = [*self.scheduler.running, *(s for s in self.scheduler.waiting if s.seq_id in self.kv.block_tables)]
-        for i, seq in enumerate(live):
-            table = list(self.kv.block_ids(seq))  # a snapshot: it crosses to the loop
-            for block_id in table:
-                if owner[block_id] == -1:
-                    owner[block_id] = i
-            sequences.append({
-                "seq_id": seq.seq_id, "request_id": seq.request.request_id, "status": seq.status.value,
-                "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": seq.num_tokens,
-                "num_computed_tokens": seq.num_computed_tokens,
-                "max_tokens": seq.params.max_tokens, "block_table": table,
-                "num_draft_tokens": seq.num_draft_tokens, "num_accepted_draft_tokens": seq.num_accepted_draft_tokens,
-            })
-        return {
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "ref_count": [b.ref_count for b in pool.blocks],
-            "cached": [int(b.block_hash is not None) for b in pool.blocks],
-            "owner": owner,
-            "sequences": sequences,
-            "pinned": {pin_id: [b.block_id for b in blocks] for pin_id, blocks in self.kv.pinned.items()},
-            "num_waiting": len(self.scheduler.waiting),
-            "contiguous_max_len_tokens": len(live) * self.max_model_len,
-            "stats": self.stats(),
-        }
-
-    def _num_kv_tokens(self) -> int:
-        """Token slots holding K/V of live sequences, each shared page counted once."""
-        filled: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            for i, block_id in enumerate(self.kv.block_ids(seq)):
-                slots = max(0, min(self.block_size, seq.num_computed_tokens - i * self.block_size))
-                filled[block_id] = max(filled.get(block_id, 0), slots)
-        return sum(filled.values())
+        """A snapshot of every page and every live sequence's page table (the dashboard's picture)."""
+        return page_map(self)
 
     def check_invariants(self) -> None:
         """Raise if page bookkeeping is inconsistent (see BlockPool.check_invariants), the draft model's too."""

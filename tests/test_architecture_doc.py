@@ -27,3 +27,13 @@ def test_every_module_is_named_in_the_architecture():
     modules = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"]
     assert len(modules) > 80
     assert sorted(p.relative_to(ROOT).as_posix() for p in modules if not _is_named(p)) == []
+
+
+def test_the_readme_is_short_and_every_relative_link_in_the_docs_resolves():
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 300  # the rest lives in docs/, by topic
+    pages = [readme, ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")]
+    links = [(page, target) for page in pages
+             for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())]
+    assert len(links) > 10
+    assert [(p.name, t) for p, t in links if not (p.parent / t).exists()] == []

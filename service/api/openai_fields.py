@@ -1,6 +1,6 @@
 """Every request field of OpenAI's createChatCompletion and createCompletion, and our answer to it.
 
-One of three answers per field (the README's table is this one; tests/service/test_openai_fields.py
+One of three answers per field (docs/api.md's table is this one; tests/service/test_openai_fields.py
 holds them together):
     SUPPORTED  honoured as OpenAI documents it
     IGNORED    accepted and not acted on, because it does not apply to a self-hosted server;

@@ -161,7 +161,7 @@ def test_kill_9_mid_load_loses_no_answered_request_redis(stories_dir, tmp_path, 
 
 
 def test_usage_counts_a_request_as_soon_as_its_answer_arrived(stories_dir):
-    """README: a request is in /v1/usage once its final message has been sent, even with a slow ledger."""
+    """docs/tenants.md: a request is in /v1/usage once its final message has been sent, even with a slow ledger."""
     from tests.service.conftest import run_server, stories_settings
 
     with run_server(stories_settings(stories_dir)) as server:

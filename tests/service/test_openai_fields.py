@@ -1,4 +1,4 @@
-"""Every official OpenAI request field has one answer, the README says the same, and each answer holds.
+"""Every official OpenAI request field has one answer, docs/api.md says the same, and each answer holds.
 
 OFFICIAL lists the request fields of OpenAI's createChatCompletion and createCompletion (and
 the chat message fields) as the OpenAI API reference gives them.
@@ -19,7 +19,7 @@ from service.api.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, IGNORED, 
                                        REFUSED, SUPPORTED)
 from service.api.responses_protocol import RESPONSES_FIELDS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 OFFICIAL = {
     "chat": ["messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
              "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
@@ -55,8 +55,8 @@ def test_every_official_field_has_exactly_one_answer(kind):
     assert all(answer in (SUPPORTED, IGNORED, REFUSED) for answer, _ in TABLES[kind].values())
 
 
-def test_the_readme_tables_are_the_code_tables():
-    text = README.read_text()
+def test_the_api_doc_tables_are_the_code_tables():
+    text = API_DOC.read_text()
     for kind, title in (("chat", "chat field"), ("message", "message field"), ("completions", "completions field"),
                         ("responses", "responses field")):
         block = text[text.index(f"| {title} | answer | notes |"):]

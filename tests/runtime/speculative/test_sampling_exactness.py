@@ -35,7 +35,7 @@ FIELDS = {
     "min_tokens": dict(temperature=1.0, min_tokens=30),  # EOS held back (p = 0) for the first 30 positions
     # no byte forced between words (every word may be followed by " " or "."): where llguidance 1.9 forces one
     # (" " after "Lily" in "(Lily|Tom) (ran|saw)", or after " and" in "( and (Lily|Tom))"), its mask
-    # on this sentencepiece vocabulary allows tokens its consume then refuses (README: the known llguidance issue)
+    # on this sentencepiece vocabulary allows tokens its consume then refuses (docs/api.md: the known llguidance issue)
     "grammar": dict(temperature=1.0, structured_outputs=StructuredOutputs(
         regex=r"(Lily|Tom)( and| Lily| Tom| ran| saw| a| the| big| tree| park)*\.")),
 }

@@ -247,9 +247,9 @@ def main() -> None:
                 with every_draft_made():
                     rows.append(compare(f"draft_forced_open_chat_layers{depth}", lambda: one_stream(off, opens, 96),
                                         lambda: one_stream(deeper, opens, 96), 1))
-                rows[-1]["relative_cost"] = round(deeper.speculator.method.relative_cost, 3)
+                rows[-1]["relative_cost"] = round(deeper.speculator.proposer.relative_cost, 3)
                 del deeper
-            method = drafted.speculator.method
+            method = drafted.speculator.proposer
             if method.seconds_per_draft is not None:  # the cut drafted in this run
                 draft_info = {"file": draft_config["model"].rsplit("/", 1)[-1], "layers": DRAFT_LAYERS, "k": DRAFT_K,
                               "relative_cost": round(method.relative_cost, 3),

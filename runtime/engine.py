@@ -446,6 +446,6 @@ class Engine(RequestBuilder):
     def check_invariants(self) -> None:
         """Raise if page bookkeeping is inconsistent (see BlockPool.check_invariants), the draft model's too."""
         self.kv.check_invariants()
-        draft = self.speculator.method
+        draft = self.speculator.proposer
         if isinstance(draft, DraftModelProposer):
             draft.check_invariants({seq.seq_id for request in self.requests.values() for seq in request.sequences})

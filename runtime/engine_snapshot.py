@@ -41,7 +41,7 @@ def engine_stats(engine: Engine) -> dict:
 
 
 def _draft_stats(engine: Engine) -> dict:
-    draft = engine.speculator.method
+    draft = engine.speculator.proposer
     if not isinstance(draft, DraftModelProposer):
         return {}
     return {"draft_num_blocks": draft.num_blocks, "draft_num_used_blocks": draft.num_used_blocks,

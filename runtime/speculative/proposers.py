@@ -9,8 +9,10 @@ the target's own probability of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+from config import SpeculativeConfig
 from runtime.request import Sequence
 from runtime.speculative.ngram import NgramIndex
 from runtime.speculative.suffix import SuffixCache
@@ -193,3 +195,18 @@ class PredictionProposer:
 
     def forget(self, seq: Sequence) -> None:
         self.cursors.pop(seq.seq_id, None)
+
+
+def _ngram(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def _suffix(config: SpeculativeConfig) -> Proposer:
+    return SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_tree_depth,
+                          config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+                          config.suffix_decoding_min_token_prob, config.num_speculative_tokens)
+
+
+# speculative_config.method -> the proposer made from the config alone; "draft_model" holds a model and its
+# pages, so the engine makes it (runtime/speculative/draft_model.py) and hands it to the Speculator
+PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": _ngram, "suffix": _suffix}

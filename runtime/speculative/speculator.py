@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from runtime.request import Sequence, SequenceStatus
 from config import SpeculativeConfig
 from runtime.speculative.policy import StepCostModel, plan_drafts
-from runtime.speculative.proposers import NgramProposer, PredictionProposer, Proposer, SuffixProposer
+from runtime.speculative.proposers import PROPOSERS, PredictionProposer, Proposer
 
 PREDICTION_MAX_DRAFTS = 8  # k for a request's `prediction` when no method is configured
 ACCEPTANCE_DECAY = 0.85  # weight of a sequence's past acceptance per verified step (one miss costs ~15%)
@@ -44,16 +44,12 @@ class Speculator:
     """Proposers, the step-cost model and the draft policy, for one engine."""
 
     def __init__(self, config: SpeculativeConfig | None, draft: Proposer | None = None) -> None:
-        """`draft`: the method's proposer when the engine built it (draft_model: it holds a model and its pages)."""
+        """`draft`: the method's proposer when the engine built it (draft_model: it holds a model and its pages);
+        else the method's proposer is made from the config (proposers.PROPOSERS), or there is none."""
         self.config = config
-        self.method: Proposer | None = draft
-        if draft is None and config is not None and config.method == "ngram":
-            self.method = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif draft is None and config is not None and config.method == "suffix":
-            self.method = SuffixProposer(
-                config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_tree_depth,
-                config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
-                config.suffix_decoding_min_token_prob, config.num_speculative_tokens)
+        self.proposer: Proposer | None = draft  # the configured method's (a request's `prediction` drafts apart)
+        if draft is None and config is not None and config.method in PROPOSERS:
+            self.proposer = PROPOSERS[config.method](config)
         self.prediction = PredictionProposer()
         self.max_drafts = config.num_speculative_tokens if config is not None else PREDICTION_MAX_DRAFTS
         settings = config if config is not None else SpeculativeConfig()
@@ -72,7 +68,7 @@ class Speculator:
 
         `num_prefill_tokens()`: prompt tokens the step will also compute (asked only when drafting may happen).
         """
-        if self.method is None and not any(seq.request.prediction_token_ids for seq in running):
+        if self.proposer is None and not any(seq.request.prediction_token_ids for seq in running):
             return  # nothing could draft (a verification clears its drafts, so none are left over)
         decoding = []
         for seq in running:
@@ -84,7 +80,7 @@ class Speculator:
             return
         num_base_tokens = num_decodes + num_prefill_tokens()
         cost = self.cost.coefficients()
-        sources = (self.method.sources if self.method is not None else ())
+        sources = (self.proposer.sources if self.proposer is not None else ())
         best = max(self._best_of(seq, sources + (self.prediction.sources if seq.request.prediction_token_ids else ()))
                    for seq in decoding)
         seeded = any(seq.params.seed is not None and not seq.params.is_greedy for seq in decoding)
@@ -92,7 +88,7 @@ class Speculator:
             return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
         candidates: list[tuple[Sequence, list[int]]] = []
         deferred: dict[str, Sequence] = {}  # a batched method's: planned first, drafted after (each draft costs a forward)
-        batched = getattr(self.method, "batched", False)
+        batched = getattr(self.proposer, "batched", False)
         for seq in decoding:
             seq.draft_probs = None
             # drafts past max_tokens or the model's length could never be emitted
@@ -101,20 +97,20 @@ class Speculator:
                 continue
             drafts = self.prediction.propose(seq, k) if seq.request.prediction_token_ids else []
             seq.draft_source = self.prediction.source
-            if not drafts and self.method is not None:
-                seq.draft_source = self.method.source
+            if not drafts and self.proposer is not None:
+                seq.draft_source = self.proposer.source
                 if batched:
                     deferred[seq.seq_id] = seq
                     candidates.append((seq, [0] * k))  # placeholders: how many is planned below
                     continue
-                drafts = self.method.propose(seq, k)
+                drafts = self.proposer.propose(seq, k)
             drafts = self._grammar_cut(seq, drafts)
             if drafts:
                 candidates.append((seq, drafts))
         if not candidates:
             return
         gains = [self._gains(seq, len(drafts)) for seq, drafts in candidates]
-        extra = self.method.draft_cost(cost[0]) if batched else 0.0
+        extra = self.proposer.draft_cost(cost[0]) if batched else 0.0
         extra_costs = [extra if seq.seq_id in deferred else 0.0 for seq, _ in candidates] if deferred else None
         counts = plan_drafts(gains, num_base_tokens, num_decodes, cost, extra_costs)
         # a seeded sampled sequence drafts all it has: the policy's cut follows the clock, and a different
@@ -128,7 +124,7 @@ class Speculator:
             elif count > 0:
                 planned.append((seq, count))
         if planned:
-            made = self.method.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
+            made = self.proposer.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
             for (seq, _), drafts in zip(planned, made):
                 seq.draft_token_ids = self._grammar_cut(seq, drafts)
 
@@ -215,5 +211,5 @@ class Speculator:
     def forget(self, seq: Sequence) -> None:
         """Drop a finished sequence's proposer state."""
         self.prediction.forget(seq)
-        if self.method is not None:
-            self.method.forget(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)

@@ -77,7 +77,7 @@ def engine(model, speculative: dict | None = None, proposer: Proposer | None = N
         speculative = dict(NGRAM)
     built = Engine.from_pretrained(model, speculative_config=speculative, **settings)
     if proposer is not None:
-        built.speculator.method = proposer
+        built.speculator.proposer = proposer
     return built
 
 

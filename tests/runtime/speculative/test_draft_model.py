@@ -118,7 +118,7 @@ def test_an_aborted_request_returns_its_draft_pages(stories_dir, draft_dir):
     spec.add_request("b", "Once upon a time", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     for _ in range(6):
         spec.step()
-    draft = spec.speculator.method
+    draft = spec.speculator.proposer
     assert draft.num_used_blocks > 0
     spec.abort_request("a")
     spec.step()
@@ -239,7 +239,7 @@ def test_a_sampled_draft_the_grammar_refuses_is_rejected_by_the_rule(stories_dir
         prompt = e.tokenizer.encode(text)
         if speculative:  # half-refused drafts around the plain run's likeliest second token
             token = Counter(second for _, second in pairs[False].elements()).most_common(1)[0][0]
-            e.speculator.method = _HalfRefusedDraft(token, e.limits.vocab_size)
+            e.speculator.proposer = _HalfRefusedDraft(token, e.limits.vocab_size)
         params = [SamplingParams(seed=1_000 * speculative + i, ignore_eos=True, **{**fields, "max_tokens": 3})
                   for i in range(num)]
         pairs[speculative] = Counter(tuple(o.outputs[0].token_ids[:2]) for o in run(e, [prompt] * num, params))

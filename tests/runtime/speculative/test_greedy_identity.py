@@ -142,7 +142,7 @@ def test_kv_at_committed_positions_equals_a_run_without_speculation(stories_dir,
 
 def test_speculation_off_takes_no_drafts(plain):
     """No method and no prediction: nothing is drafted (the plain path of every other test)."""
-    assert plain.speculator.method is None
+    assert plain.speculator.proposer is None
     run(plain, _prompts(plain)[:1], SamplingParams(max_tokens=8, temperature=0))
     assert plain.speculator.stats.num_draft_tokens == 0
 

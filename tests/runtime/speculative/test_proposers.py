@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from config import SpeculativeConfig
+from config.settings import SPECULATIVE_METHODS
 from runtime.request import Request, Sequence
 from runtime.sampling_params import SamplingParams
 from runtime.speculative.ngram import NgramIndex
-from runtime.speculative.proposers import NgramProposer, PredictionProposer
+from runtime.speculative.proposers import PROPOSERS, NgramProposer, PredictionProposer, SuffixProposer
+from runtime.speculative.speculator import Speculator
 from tests.runtime.helpers import make_seq
 
 
@@ -97,3 +100,10 @@ def test_a_lost_step_does_not_forget_where_the_output_last_followed_the_predicti
 def test_lookup_bounds_are_checked(bad):
     with pytest.raises(ValueError):
         NgramIndex(*bad)
+
+
+def test_every_configured_method_has_its_maker_and_the_speculator_holds_the_one_named():
+    assert set(SPECULATIVE_METHODS) == set(PROPOSERS) | {"draft_model"}  # the engine makes a draft model's
+    assert isinstance(Speculator(SpeculativeConfig(method="ngram")).proposer, NgramProposer)
+    assert isinstance(Speculator(SpeculativeConfig(method="suffix")).proposer, SuffixProposer)
+    assert Speculator(None).proposer is None

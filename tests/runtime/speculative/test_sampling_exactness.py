@@ -61,7 +61,7 @@ def test_every_verified_position_draws_from_what_the_plain_sampler_would(stories
     prompt = spec.tokenizer.encode(STORY)
     # the model's own greedy guess: often kept, not always; under a grammar (which cuts what it refuses),
     # tokens the grammar allows
-    spec.speculator.method = GrammarWalkProposer(spec.limits.vocab_size) if params.structured_outputs is not None \
+    spec.speculator.proposer = GrammarWalkProposer(spec.limits.vocab_size) if params.structured_outputs is not None \
         else GreedyModelProposer(stories_dir)
     calls = _recording(monkeypatch)
     got = run(spec, [prompt], params)[0].outputs[0]
@@ -131,7 +131,7 @@ def test_outputs_are_distributed_as_without_speculation(stories_dir, monkeypatch
         e = engine(stories_dir, max_num_seqs=256)
         prompt = e.tokenizer.encode(text)
         if speculative:  # drafts from the likely tokens (the plain run's), often right, often wrong
-            e.speculator.method = RandomProposer(sorted({t for key in outputs[False] for t in key}), seed=3)
+            e.speculator.proposer = RandomProposer(sorted({t for key in outputs[False] for t in key}), seed=3)
         params = [SamplingParams(seed=1_000 * speculative + i, ignore_eos=True, **fields) for i in range(num)]
         got = run(e, [prompt] * num, params)
         outputs[speculative] = Counter(tuple(o.outputs[0].token_ids) for o in got)
@@ -177,6 +177,6 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_refuses(stories_dir):
         def forget(self, seq):
             pass
 
-    spec.speculator.method = Fixed()
+    spec.speculator.proposer = Fixed()
     spec.speculator.propose(spec.scheduler.running, lambda: 0, spec.max_model_len)
     assert seq.draft_token_ids == valid  # cut before the refused draft: it could never be kept

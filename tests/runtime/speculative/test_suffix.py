@@ -110,7 +110,7 @@ def test_a_repeated_question_drafts_from_its_past_answer_and_changes_no_token(st
     assert again >= 0.8 * len(prompts) * params.max_tokens * 4 / 5  # nearly every token came from a kept draft
     # another tenant asking the same questions finds nothing of tenant-a's
     asked = []
-    cache = spec.speculator.method.cache
+    cache = spec.speculator.proposer.cache
     original = cache.trie
     cache.trie = lambda scope: asked.append(scope) or original(scope)
     before = stats.num_accepted_tokens

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from config.settings import SCHEDULING_NAMES, TOOL_CALL_PARSERS
+from config.settings import ROUTING_MODES, SCHEDULING_NAMES, TOOL_CALL_PARSERS
 from service.logs import configure_logging
 
 MODEL_HELP = "Hugging Face checkpoint folder, a GGUF file (llama.cpp's format), or 'demo' (random weights)"
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-dir", default=None, help="SQLite ledger and usage journal folder")
     srv.add_argument("--router", choices=["embedded", "dynamo"], default=None,
                      help="embedded: run the engine here (default); dynamo: send requests to workers")
-    srv.add_argument("--routing", choices=["kv", "round_robin", "random"], default=None,
+    srv.add_argument("--routing", choices=ROUTING_MODES, default=None,
                      help="with --router dynamo: Dynamo's KV-aware router (default), or round robin, or random")
     srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                      help="how tool_choice auto reads calls from the output (default: auto, from the chat template)")

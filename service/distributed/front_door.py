@@ -2,16 +2,9 @@
 
 `DynamoBridge` has EngineBridge's interface (submit, abort, pin, unpin, page_map, stats), so
 the service around it (auth, tenants, limits, templates, SSE, the WebSocket, billing) is the
-same as in the embedded server. Each request goes to one worker:
-
-    kv           Dynamo's KvRouter.best_worker: the worker whose cache holds the longest prefix
-                 of the request's blocks under its tenant's salt, weighed against each
-                 worker's load (Dynamo's cost function); the router tracks the request until
-                 it ends (mark_prefill_complete, free)
-    round_robin  Dynamo's client, next instance in turn
-    random       Dynamo's client, a random instance
-
-then streams from it (Client.direct). A worker that cannot be reached, or breaks, before its
+same as in the embedded server. Each request goes to one worker, picked by the routing policy
+(service/distributed/routing.py: kv, round_robin or random), then streams from it
+(Client.direct). A worker that cannot be reached, or breaks, before its
 first frame costs the request a new route (3 tries), and that worker is left out of every
 pick until discovery drops it: a killed worker's entry expires with Dynamo's file-discovery
 TTL (10 s, kept alive every ~3 s by a live process). A worker lost mid-stream fails its
@@ -25,7 +18,6 @@ limits (asked of a worker at start-up), so requests are validated before they le
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import msgspec
@@ -38,7 +30,8 @@ from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import load_tokenizer
 from service.bridge.streams_in_flight import StreamsInFlight
 from service.distributed import wire
-from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo, routing_namespace
+from service.distributed.dynamo_runtime import create_runtime, endpoint_path, import_dynamo
+from service.distributed.routing import Routing, make_routing
 from service.errors import UnavailableError
 from service.startup import StartupError
 from service.streams import RequestStream
@@ -92,13 +85,12 @@ def sum_stats(per_worker: list[dict]) -> dict:
 class DynamoBridge(StreamsInFlight):
     """EngineBridge's interface, each request sent to the worker Dynamo picks (see the module docstring)."""
 
-    def __init__(self, runtime, client, router, routing: str, loop: asyncio.AbstractEventLoop,
+    def __init__(self, runtime, client, routing: Routing, loop: asyncio.AbstractEventLoop,
                  stall_timeout_s: float = 60.0) -> None:
         self._runtime = runtime
         self.stall_timeout_s = stall_timeout_s  # a worker silent this long (no frame, not even Waiting) is lost
         self._client = client
-        self._router = router  # KvRouter when routing == "kv", else None
-        self.routing = routing
+        self.routing = routing  # who picks each request's worker
         self.loop = loop
         self.streams: dict[str, RequestStream] = {}
         self.stats: dict = sum_stats([])
@@ -108,7 +100,6 @@ class DynamoBridge(StreamsInFlight):
         self._pins: dict[str, wire.Pin] = {}  # every pin, replayed on workers that join
         self._pinned_on: dict[int, set[str]] = {}
         self._lost: dict[int, float] = {}  # worker id -> when it failed
-        self._turn = 0  # round_robin's next pick among the live workers
         self._poller: asyncio.Task | None = None
 
     # --- start-up -----------------------------------------------------------------------
@@ -138,12 +129,9 @@ class DynamoBridge(StreamsInFlight):
             raise
         limits = RequestLimits(**reply["limits"])
         model = RemoteModel(reply["model_name"], load_tokenizer(settings.server.model), limits)
-        router = None
-        if dist.routing == "kv":
-            router = core.KvRouter(endpoint, limits.block_size,
-                                   core.KvRouterConfig(prefill_load_scale=dist.kv_prefill_load_scale))
-        log.info("front door connected", workers=len(worker_ids), routing=dist.routing, model=model.model_name)
-        return cls(runtime, client, router, dist.routing, loop, stall_timeout_s=dist.worker_timeout_s), model
+        routing = make_routing(dist.routing, core, endpoint, limits.block_size, dist.kv_prefill_load_scale)
+        log.info("front door connected", workers=len(worker_ids), routing=routing.name, model=model.model_name)
+        return cls(runtime, client, routing, loop, stall_timeout_s=dist.worker_timeout_s), model
 
     def start(self) -> None:
         self._poller = self.loop.create_task(self._poll())
@@ -235,15 +223,11 @@ class DynamoBridge(StreamsInFlight):
         return snapshot
 
     async def overlap_blocks(self, token_ids: list[int], cache_salt: bytes | None, num_shared_blocks: int) -> dict:
-        """Per worker, how many leading blocks of the prompt Dynamo's indexer says it holds."""
-        if self._router is None:
-            return {}
+        """Per worker, how many leading blocks of the prompt Dynamo's indexer says it holds ({} unless kv routing)."""
         try:
-            scores = await self._router.get_overlap_scores(
-                token_ids, cache_namespace=routing_namespace(cache_salt, num_shared_blocks))
+            return await self.routing.overlap_blocks(token_ids, cache_salt, num_shared_blocks)
         except Exception as exc:  # the router knows no worker now
             raise WorkerLost(f"the KV router could not score the prompt: {exc}") from exc
-        return {str(w["worker_id"]): w["device_blocks"] for w in scores["workers"]}
 
     async def stop(self) -> None:
         """Abort everything in flight and leave the cluster."""
@@ -284,7 +268,7 @@ class DynamoBridge(StreamsInFlight):
         worker broke after its first frame.
         """
         request_id = request.request_id
-        worker_id, tracked = await self._pick(request)
+        worker_id, tracked = await self.routing.pick(request, self.live_workers())
         got_frame = False
         try:
             if request_id not in self.streams:
@@ -317,7 +301,7 @@ class DynamoBridge(StreamsInFlight):
                 if isinstance(frame, wire.Waiting):
                     continue  # alive, no news: neither a first frame nor a token
                 if not got_frame and tracked:
-                    await self._router.mark_prefill_complete(request_id)
+                    await self.routing.prefill_done(request_id)
                 got_frame = True
                 if isinstance(frame, wire.Failure):
                     stream.fail(wire.failure_error(frame))
@@ -334,7 +318,7 @@ class DynamoBridge(StreamsInFlight):
         finally:
             if tracked:
                 try:
-                    await self._router.free(request_id)
+                    await self.routing.release(request_id)
                 except Exception as exc:  # the router's count goes stale; the answer stands
                     log.warning("router free failed", request_id=request_id, error=repr(exc))
 
@@ -350,38 +334,10 @@ class DynamoBridge(StreamsInFlight):
             raise WorkerLost(f"the worker serving this request was lost: {error}") from error
         return False
 
-    async def _pick(self, request: Request) -> tuple[int | None, bool]:
-        """(worker id, whether the KV router tracks the request), among the live workers.
-
-        None: no worker is live, so Dynamo's client picks from what discovery lists (a worker
-        marked lost may have been a false alarm); with nothing listed that raises, a 503.
-        """
-        live = self.live_workers()
-        if self._router is None:
-            if not live:
-                return None, False
-            if self.routing == "random":
-                return random.choice(live), False
-            self._turn += 1
-            return live[self._turn % len(live)], False
-        namespace = routing_namespace(request.cache_salt, request.num_shared_blocks)
-        worker_id, _, _ = await self._router.best_worker(request.prompt_token_ids, request_id=request.request_id,
-                                                          cache_namespace=namespace)
-        if worker_id in live or not live:
-            return worker_id, True
-        await self._router.free(request.request_id)  # the router still lists a lost worker: least loaded instead
-        loads = await self._router.get_potential_loads(request.prompt_token_ids, cache_namespace=namespace)
-        alive = [load for load in loads if load["worker_id"] in live]
-        best = min(alive, key=lambda load: (load["potential_prefill_tokens"], load["potential_decode_blocks"]),
-                   default=None)
-        return (best["worker_id"] if best else live[0]), False
-
     async def _open(self, call: dict, worker_id: int | None, context):
         if worker_id is not None:
             return await self._client.direct(call, worker_id, context=context)
-        if self.routing == "random":
-            return await self._client.random(call, context=context)
-        return await self._client.round_robin(call, context=context)
+        return await self.routing.open_unpicked(self._client, call, context)
 
     # --- background: stats and pins -------------------------------------------------------
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 
+from config.settings import ROUTING_MODES
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
+from service.cli import build_parser
 from service.distributed import wire
 from service.distributed.front_door import DynamoBridge
+from service.distributed.routing import ROUTINGS, KvRouting, make_routing
 from service.errors import from_exception
 from service.streams import RequestStream
 
@@ -95,7 +99,8 @@ DONE = wire.encode(wire.Done(16))
 
 def _run(client: FakeClient, router: FakeRouter | None, body, routing: str = "kv", stall_timeout_s: float = 60.0):
     async def main():
-        bridge = DynamoBridge(FakeRuntime(), client, router, routing, asyncio.get_running_loop(), stall_timeout_s)
+        policy = KvRouting(router) if routing == "kv" else make_routing(routing, None, None, 16, 1.0)
+        bridge = DynamoBridge(FakeRuntime(), client, policy, asyncio.get_running_loop(), stall_timeout_s)
         request = Request("r1", None, [1, 2, 3], SamplingParams(max_tokens=4), b"salt")
         stream = RequestStream("r1", 3)
         bridge.submit(stream, request)
@@ -217,3 +222,13 @@ def test_a_silent_worker_is_given_up_after_the_stall_timeout_and_waiting_frames_
     _, stream = _run(client, FakeRouter([1]), _wait_end, stall_timeout_s=0.2)
     error = from_exception(stream.error)  # part of the answer went out: the request fails, as a 503
     assert error.status == 503 and "sent nothing for 0.2 s" in error.message
+
+
+def test_routing_policies_are_registered_by_name_as_the_settings_and_the_cli_name_them():
+    assert set(ROUTINGS) == set(ROUTING_MODES)
+    for name in ("round_robin", "random"):
+        assert make_routing(name, None, None, 16, 1.0).name == name
+        assert build_parser().parse_args(["serve", "--routing", name]).routing == name
+    assert KvRouting(FakeRouter([])).name == "kv"
+    with pytest.raises(ValueError, match="'kv', 'round_robin', 'random'"):
+        make_routing("nearest", None, None, 16, 1.0)

@@ -14,18 +14,19 @@ recomputation is the engine's doing and is not charged again.
                B: b1                     counter B = 9,150   (lifted on arrival, then A ran on)
     admit:     b1 first (smallest counter among tenants with requests waiting)
 
-- The queue admits from the backlogged tenant with the smallest counter (ties: the tenant
-  holding the smaller part of its share of seats, then the earlier head), taking first the
-  tenants that hold fewer seats than their weighted share of max_num_seqs (so one admission
-  round does not hand every free seat to one tenant).
+- The queue admits from the backlogged tenant with the smallest counter (ties: the earlier
+  head), taking first the tenants that hold fewer seats than their weighted share of
+  max_num_seqs, the one holding the smallest part of its share first (so one admission round
+  does not hand every free seat to one tenant, and a seat freed for a tenant below its share
+  goes to it).
   Within a tenant, lower `priority` first (vLLM's field), then arrival; a preempted
   sequence goes back to the head of its own tenant's line.
 - A tenant that sends with nothing waiting is lifted to the smallest counter of the tenants
   that have requests waiting (or, if none has, of those running), never lowered: being
   quiet banks no credit, and nobody is punished for having used capacity others left idle.
-- A tenant that stays within its weighted share of max_num_seqs by starting one more request,
-  and whose counter is not the larger, may take a seat from the tenant furthest ahead, if that
-  one keeps at least its own share of seats or of the pool's pages (FairPolicy.room_victim): a
+- A tenant that stays within its weighted share of max_num_seqs by starting one more request
+  may take a seat from the tenant furthest ahead among those that keep at least their own share
+  of seats or of the pool's pages by giving one (FairPolicy.room_victim): a
   light tenant's request then starts in the step it arrives, not after the flood's running
   requests finish, and two backlogged tenants never trade seats back and forth, even with
   shares that are not whole numbers.
@@ -147,16 +148,17 @@ class FairQueue:
     def _head_line(self, first: Mapping[str, float]) -> list[tuple[int, int, int, Sequence]] | None:
         best, best_key = None, None
         for tenant, line in self._lines.items():
-            key = (tenant not in first, self.counters.counters[tenant], first.get(tenant, 0.0), line[0][0], line[0][2])
+            key = (tenant not in first, first.get(tenant, 0.0), self.counters.counters[tenant], line[0][0], line[0][2])
             if best_key is None or key < best_key:
                 best, best_key = line, key
         return best
 
     def peek(self, first: Mapping[str, float] = NO_TENANT_FIRST) -> Sequence | None:
-        """The next sequence: the head of the smallest counter's line, tenants in `first` (below their share
-        of seats, each with the part of its share it holds) before the others; on equal counters, the tenant
-        holding the smaller part of its share (a tenant lifted to the others' floor on arrival ties with
-        them, and a flood's long head that cannot get its pages must not hold it back)."""
+        """The next sequence. Tenants in `first` (below their share of seats, each with the part of its share it
+        holds) come before the others, the one holding the smallest part first; then the smallest counter's
+        line. Below their shares, the part held decides before counters: a light tenant sits level with the
+        flood on counters or a few tokens ahead (lifted on arrival, charged its prompt at once), and the
+        seat or pages make_room freed for it went straight back to the flood's preempted head."""
         line = self._head_line(first)
         return line[0][3] if line is not None else None
 

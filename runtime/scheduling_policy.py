@@ -142,16 +142,18 @@ class FairPolicy:
         """One sequence of the tenant furthest ahead to preempt if the next waiting sequence cannot start
         otherwise (its first chunk's pages counted after those this step's decodes take).
 
-        Only where the waiting tenant stays within its share of seats by starting, its counter is
-        no larger than the victim tenant's, and the victim tenant keeps at least its own share of seats
-        or of the pool's pages: two backlogged tenants never take seats or pages back and forth (shares
-        need not be whole numbers). Pages count because they bind first when prompts are long: a
-        flood of 640-token requests fills the pool with fewer sequences than its share of seats, and a
-        light tenant then waited for one of them to finish (traced through the server, issue 36). A
-        tie takes the seat: a tenant back from idle is lifted to the others' floor, and waiting one step
-        for their counters to move on cost it a whole step. The victim is that tenant's latest-arrived
-        running request, so a request already preempted once (it keeps its place in arrival order) is
-        not the next one taken again.
+        Only where the waiting tenant stays within its share of seats by starting, and the victim
+        tenant keeps at least its own share of seats or of the pool's pages: two backlogged tenants
+        never take seats or pages back and forth (shares need not be whole numbers). Of the tenants
+        that qualify, the one furthest ahead on counters gives. Pages count because they bind first
+        when prompts are long: a flood of 640-token requests fills the pool with fewer sequences than
+        its share of seats, and a light tenant then waited for one of them to finish (traced through
+        the server, issue 36). Counters do not gate it: a light tenant is lifted to the flood's
+        counter on arrival and charged its prompt at once, so it sits level with the flood or a few
+        tokens ahead, and while the flood's sequences were recomputed (not charged) the light
+        tenant's requirement of a smaller counter kept it out for steps (traced). The victim is that
+        tenant's latest-arrived running request, so a request already preempted once (it keeps its
+        place in arrival order) is not the next one taken again.
         """
         if not sched.waiting:
             return None
@@ -175,7 +177,7 @@ class FairPolicy:
             pages[seq.request.tenant] += len(kv.block_ids(seq))
         victims = {}
         for t, held in seats.items():
-            if t == tenant or counters[t] < counters[tenant]:
+            if t == tenant:
                 continue
             victim = max((s for s in sched.running if s.request.tenant == t and not s.request.fork_pending),
                          key=lambda s: s.request.arrival_order, default=None)

@@ -340,3 +340,24 @@ def test_the_policies_are_objects_registered_by_name_and_settings_and_the_cli_ta
         load_settings(environ={}, overrides={"engine": {"scheduling": "lottery"}})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--scheduling", "lottery"])
+
+
+def test_fair_a_light_tenant_a_few_tokens_ahead_on_counters_still_takes_pages_from_the_flood_holding_them():
+    """Traced through the server: the light tenant, charged its prompt at once, sat a few tokens ahead of the
+    flood, whose recomputed sequences are not charged; a smaller counter was then required of it, and it
+    waited for steps while the flood, at its share of seats, held the whole pool. Shares decide: the flood
+    keeps its share of pages."""
+    sched = Scheduler(KVCacheManager(34, BS, True), 8, 256, "fair")
+    sched.add(make_seq("b0", 3, "b", max_tokens=1000))
+    for i in range(6):
+        sched.add(make_seq(f"a{i}", 30, "a", max_tokens=1000))
+    step(sched)
+    assert sched.seats_by_tenant() == {"a": 4, "b": 1}  # a at its share of seats (4 of 8), with 32 of 34 pages
+    assert sched.kv.pool.num_free_blocks == 1 and sched.waiting.depth("a") == 2
+    counters = sched.counters.counters
+    counters["b"] = counters["a"] + 6  # its running request's last tokens, charged while a's were recomputed
+    light = make_seq("b1", 8, "b", max_tokens=4)
+    sched.add(light)
+    assert counters["b"] > counters["a"]  # a lift never lowers
+    assert light in step(sched)
+    assert sched.num_fair_preemptions == 1 and sched.seats_by_tenant() == {"a": 3, "b": 2}

@@ -1,14 +1,7 @@
 """The bridge between the event loop and the engine thread, in rooms.
 
-The engine thread is the only owner of runtime state. The loop talks to it through a
-thread-safe inbox of commands (add, abort); the thread drains the inbox between steps,
-runs `engine.step()`, and hands each step's outputs back to the loop once per step with
-`loop.call_soon_threadsafe`. On the loop, outputs are fanned out to per-request streams.
-
-    loop                          engine thread
-    submit() --add-->  inbox  --> drain -> engine.add_request
-    abort()  --abort-> inbox  --> drain -> engine.abort_request
-    _deliver(outputs) <-- call_soon_threadsafe -- engine.step()
+The engine thread is the only owner of runtime state; the loop reaches it through a bridge
+(engine_bridge.py draws the hand-off). The rooms:
 
     protocols.py          what the service asks of a model, an engine and a bridge
     commands.py           what the loop sends the engine thread

@@ -67,15 +67,16 @@ def test_penalty_counts_kept_as_tokens_arrive_equal_a_fresh_count():
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_penalty_counts_live_on_the_logits_device():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the CPU case runs everywhere)"))])
+def test_penalty_counts_live_on_the_logits_device_and_kept_counts_equal_fresh_ones(device):
     seq = make_seq("p", [0, 1], repetition_penalty=1.5, presence_penalty=0.5)
-    logits = torch.tensor([2.0, -2.0, 1.0, 1.0, 1.0], device="cuda")
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0, 1.0], device=device)
     out = apply_penalties(logits, seq)
     seq.append_token(3)
     assert out.device == logits.device and seq.penalty_counts.seen.device == logits.device
     fresh = make_seq("q", [0, 1], repetition_penalty=1.5, presence_penalty=0.5)
-    fresh.token_ids.append(3)  # an output token, counted from scratch on the CPU
+    fresh.token_ids.append(3)  # an output token, counted from scratch (on the CPU)
     assert apply_penalties(logits, seq).cpu().tolist() == pytest.approx(apply_penalties(logits.cpu(), fresh).tolist())
 
 def test_top_k_one_equals_greedy(engine):

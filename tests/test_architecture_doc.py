@@ -1,6 +1,7 @@
 """docs/ARCHITECTURE.md stays true to the tree: every path it names exists, and every module is named."""
 
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +38,15 @@ def test_the_readme_is_short_and_every_relative_link_in_the_docs_resolves():
              for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())]
     assert len(links) > 10
     assert [(p.name, t) for p, t in links if not (p.parent / t).exists()] == []
+
+
+def test_the_readme_and_api_examples_name_the_model_make_run_serves():
+    """A request naming another model is a 404 (service/state.py: check_model)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from smollm2 import GGUF_NAME
+
+    served = GGUF_NAME.removesuffix(".gguf")  # runtime/model/checkpoint.py names a GGUF by its file
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "api.md").read_text()
+    examples = re.findall(r'"model": ?"([^"]+)"|model="([^"]+)"', text)
+    assert len(examples) >= 7
+    assert {a or b for a, b in examples} == {served}

@@ -46,19 +46,8 @@ class Routing(Protocol):
         """Per worker, how many leading blocks of the prompt it holds, where the policy knows ({} if not)."""
 
 
-class RoundRobinRouting:
-    """The next live worker in turn."""
-
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._turn = 0
-
-    async def pick(self, request: Request, live: list[int]) -> tuple[int | None, bool]:
-        if not live:
-            return None, False
-        self._turn += 1
-        return live[self._turn % len(live)], False
+class _UntrackedRouting:
+    """What a policy that tracks nothing does: no hooks, no overlap scores; with no pick, Dynamo's round robin."""
 
     async def open_unpicked(self, client, call: dict, context):
         return await client.round_robin(call, context=context)
@@ -74,7 +63,22 @@ class RoundRobinRouting:
         return {}
 
 
-class RandomRouting(RoundRobinRouting):
+class RoundRobinRouting(_UntrackedRouting):
+    """The next live worker in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    async def pick(self, request: Request, live: list[int]) -> tuple[int | None, bool]:
+        if not live:
+            return None, False
+        self._turn += 1
+        return live[self._turn % len(live)], False
+
+
+class RandomRouting(_UntrackedRouting):
     """A random live worker."""
 
     name = "random"
@@ -86,13 +90,12 @@ class RandomRouting(RoundRobinRouting):
         return await client.random(call, context=context)
 
 
-class KvRouting(RoundRobinRouting):
-    """Dynamo's KV-aware router (a KvRouter, or anything with its methods)."""
+class KvRouting(_UntrackedRouting):
+    """Dynamo's KV-aware router (a KvRouter, or anything with its methods); it tracks each request it routes."""
 
     name = "kv"
 
     def __init__(self, router) -> None:
-        super().__init__()
         self.router = router
 
     async def pick(self, request: Request, live: list[int]) -> tuple[int | None, bool]:

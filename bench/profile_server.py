@@ -61,7 +61,7 @@ CATEGORIES = [
     ("engine: bridge (inbox, hand-off)", "engine", ["(service/bridge/"]),
     ("loop: deliver to streams", "loop", ["EngineBridge._deliver", "(service/streams.py"]),
     ("loop: format + encode (SSE/JSON)", "loop", ["(service/api/formatting.py", "(msgspec"]),
-    ("loop: request parsing + validation", "loop", ["(service/api/protocol.py", "Engine.prepare_request",
+    ("loop: request parsing + validation", "loop", ["(service/api/protocol.py", "RequestBuilder.prepare_request",
                                                     "Engine.tokenize", "(service/tenants.py", "(runtime/"]),
     ("loop: billing + metrics", "loop", ["(service/billing/", "(service/metrics.py", "Generation.finish"]),
     ("loop: HTTP and writes (aiohttp)", "loop", ["(aiohttp/"]),

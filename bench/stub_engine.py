@@ -12,25 +12,13 @@ import time
 
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request
-from runtime.grammar import GrammarCompiler
-from runtime.request_builder import RequestLimits
+from runtime.request_builder import RequestBuilder, RequestLimits
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.tokenizer import ByteTokenizer
 
 
-class StubEngine:
-    model_name = "stub"
-    max_model_len = 1 << 20
-    block_size = 16
-
-    def __init__(self, max_num_seqs: int = 64) -> None:
-        self.tokenizer = ByteTokenizer()
-        self.limits = RequestLimits(256, self.block_size, self.max_model_len, max_num_seqs, 1 << 20)
-        self.grammars = GrammarCompiler(self.tokenizer, 258, [self.tokenizer.eos_token_id])  # validation only
-        self.requests: dict[str, list] = {}  # id -> [params, num_prompt, num_emitted, aborted]
-
-    def tokenize(self, prompt) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+class StubRequestBuilder(RequestBuilder):
+    """Checks only what the stub can serve: a non-empty prompt that fits, without a constraint."""
 
     def prepare_request(self, request_id, prompt, params=None, cache_salt=None, shared_prefix_len=0, pin_id=None,
                         prompt_param="prompt", grammar=None, prediction=None, tenant="default", tenant_weight=1.0,
@@ -41,9 +29,22 @@ class StubEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
+        if len(token_ids) + params.max_tokens > self.limits.max_model_len:
             raise InvalidRequestError("too long", param=prompt_param, code="context_length_exceeded")
         return Request(request_id, None, token_ids, params, None)
+
+
+class StubEngine:
+    model_name = "stub"
+    max_model_len = 1 << 20
+    block_size = 16
+
+    def __init__(self, max_num_seqs: int = 64) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.limits = RequestLimits(self.tokenizer.vocab_size, self.block_size, self.max_model_len, max_num_seqs,
+                                    1 << 20, (self.tokenizer.eos_token_id,))
+        self.request_builder = StubRequestBuilder(self.tokenizer, self.limits)
+        self.requests: dict[str, list] = {}  # id -> [params, num_prompt, num_emitted, aborted]
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = [request.params, len(request.prompt_token_ids), 0, False]

@@ -29,8 +29,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets into the chunk rows
     prefill_context_lens: torch.Tensor  # int32 [num_prefills]
-    kernel_backend: str = "auto"
-    # torch backend: who shares which prefix pages, one plan per distinct sliding window of the layers (None: none)
+    backend: kernels.AttentionBackend = kernels.ATTENTION_BACKENDS["torch"]  # the runner's (kernels.attention_backend)
+    # a backend that reads decode plans: who shares which prefix pages, one plan per distinct sliding window of
+    # the layers (None: none)
     decode_plans: dict[int | None, kernels.DecodePlan] | None = None
 
 
@@ -49,23 +50,16 @@ def paged_attention(
 
     `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     """
-    backend = meta.kernel_backend
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
+    backend = meta.backend
+    backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
     parts = []
     if num_decode:
-        parts.append(
-            kernels.paged_decode_attention(
-                q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                scale, backend=backend, sliding_window=sliding_window,
-                plan=meta.decode_plans[sliding_window] if meta.decode_plans else None, softcap=softcap,
-            )
-        )
+        plan = meta.decode_plans[sliding_window] if meta.decode_plans else None
+        parts.append(backend.decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+                                    meta.decode_context_lens, scale, sliding_window, plan, softcap))
     if num_decode < q.shape[0]:
-        parts.append(
-            kernels.paged_prefill_attention(
-                q[num_decode:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_context_lens, scale, backend=backend, sliding_window=sliding_window, softcap=softcap,
-            )
-        )
+        parts.append(backend.prefill(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
+                                     meta.prefill_query_start_loc, meta.prefill_context_lens, scale, sliding_window,
+                                     softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,6 +1,7 @@
 """The engine: requests in, one batched step at a time, outputs back.
 
-    step():  schedule -> run the model through the page tables -> sample -> stop checks
+    step():  schedule (make room, drafts, placement) -> run the model through the page tables
+             -> sample or verify ({seq_id: SampledTokens}) -> update (append, stop checks, pages)
 
 Single-threaded: whoever drives it (generate(), or the service's engine thread) owns every
 page and tensor it holds.
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 import kernels
 from config import ConfigError, EngineSettings, load_engine_settings, parse_speculative_config
+from runtime.batch import Drafts, SampledTokens, ScheduledBatch
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_snapshot import engine_stats, page_map
 from runtime.dtypes import resolve_dtype
@@ -38,6 +40,7 @@ from runtime.stop_rules import check_stop
 from runtime.timeline import RequestTimeline, StepShape
 from runtime.speculative.draft_model import DraftModelProposer
 from runtime.speculative.speculator import Speculator
+from runtime.speculative.verification import verify_drafts
 from runtime.tokenizer import ByteTokenizer
 
 PIN_TENANT = "(pins)"  # fair scheduling's party for pin prefills: the operator's, no tenant's
@@ -45,12 +48,11 @@ log = structlog.get_logger(__name__)
 
 
 
-class Engine(RequestBuilder):
+class Engine:
     """A paged-KV inference engine for one Llama-family model (vLLM's LLM/LLMEngine shape).
 
-    Requests are validated once, by the RequestBuilder part (`tokenize`, `prepare_request`:
-    it reads only what never changes after start, so the service calls it on its event loop),
-    then queued by `add`.
+    Requests are validated once, by `request_builder` (a RequestBuilder: it reads only what never
+    changes after start, so the service calls it on its event loop), then queued by `add`.
     """
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, settings: EngineSettings, model_name: str) -> None:
@@ -71,9 +73,10 @@ class Engine(RequestBuilder):
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
-        RequestBuilder.__init__(self, tokenizer, RequestLimits(config.vocab_size, self.block_size, self.max_model_len,
-                                                               settings.max_num_seqs, self.num_schedulable_blocks,
-                                                               tuple(sorted(eos))))
+        self.tokenizer = tokenizer
+        self.limits = RequestLimits(config.vocab_size, self.block_size, self.max_model_len, settings.max_num_seqs,
+                                    self.num_schedulable_blocks, tuple(sorted(eos)))
+        self.request_builder = RequestBuilder(tokenizer, self.limits)
         self.eos_token_ids = frozenset(self.limits.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens,
@@ -139,10 +142,10 @@ class Engine(RequestBuilder):
         net, tokenizer, name = load_checkpoint(model, device, dtype, settings.quantization, show_progress)
         return cls(net, tokenizer, settings, name)
 
-    # --- requests: validated once (prepare_request, from RequestBuilder), then queued (add) ---
+    # --- requests: validated once (request_builder.prepare_request), then queued (add) ---
 
     def add(self, request: Request) -> None:
-        """Queue a request made by `prepare_request`; it joins the batch at the next step with room.
+        """Queue a request made by `request_builder.prepare_request`; it joins the batch at the next step with room.
 
         Raises InvalidRequestError (param "request_id") if the id is in use.
         """
@@ -180,9 +183,10 @@ class Engine(RequestBuilder):
         tenant_weight: float = 1.0,
         priority: int = 0,
     ) -> None:
-        """`add(prepare_request(...))`: validate and queue, for callers that drive the engine directly."""
-        self.add(self.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len, prediction=prediction,
-                                      tenant=tenant, tenant_weight=tenant_weight, priority=priority))
+        """`add(request_builder.prepare_request(...))`: validate and queue, for callers that drive the engine."""
+        self.add(self.request_builder.prepare_request(request_id, prompt, params, cache_salt, shared_prefix_len,
+                                                      prediction=prediction, tenant=tenant, tenant_weight=tenant_weight,
+                                                      priority=priority))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its pages are free at once and the next step reports it ("abort")."""
@@ -213,9 +217,9 @@ class Engine(RequestBuilder):
         Raises InvalidRequestError (code "pin_budget_exceeded") if pinned and pending pages
         would exceed the pin budget (settings.pinned_block_budget, at most a quarter of the pool).
         """
-        request = self.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt,
-                                       SamplingParams(max_tokens=1, temperature=0), cache_salt, shared_prefix_len,
-                                       pin_id, prompt_param="text", tenant=PIN_TENANT)
+        request = self.request_builder.prepare_request(f"pin:{pin_id}:{next(self._ids)}", prompt,
+                                                       SamplingParams(max_tokens=1, temperature=0), cache_salt,
+                                                       shared_prefix_len, pin_id, prompt_param="text", tenant=PIN_TENANT)
         num_pages = len(request.prompt_token_ids) // self.block_size
         held = sum(len(b) for pid, b in self.kv.pinned.items() if pid != pin_id)
         held += sum(pages for pid, (_, pages) in self._pending_pins.items() if pid != pin_id)
@@ -255,14 +259,13 @@ class Engine(RequestBuilder):
         """Run one iteration; return every request that got new tokens or finished."""
         step_started = time.monotonic()
         outputs = [self._make_output(request) for request in self._take_ended()]
-        self.scheduler.make_room()  # a fair-share preemption first: no drafts are made for its victim
-        self.speculator.propose(self.scheduler.running, self.scheduler.num_pending_prompt_tokens, self.max_model_len)
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose)
         if not batch.is_empty:
-            traced = self._traced_requests() if self.trace_requests else None
+            traced = self._traced_requests(batch) if self.trace_requests else None
             started = time.perf_counter()
             logits = self.runner.execute(batch)  # [num_sample_rows, vocab]
-            outputs += self._apply(batch, logits)
+            to_sample = self.scheduler.advance(batch)  # computed tokens credited; n > 1 forks here
+            outputs += self._update(batch, to_sample, self._sample(batch, logits, to_sample))
             self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
             if traced:
                 self._stamp_timelines(traced, batch, step_started)
@@ -273,10 +276,17 @@ class Engine(RequestBuilder):
             self.check_invariants()  # idle: every page must be accounted for
         return outputs
 
-    def _traced_requests(self) -> list[Request]:
+    def _propose(self, running: list[Sequence]) -> dict[str, Drafts]:
+        """The running sequences' drafts for this step (the scheduler asks once it has made room)."""
+        return self.speculator.propose(running, self.scheduler.num_pending_prompt_tokens, self.max_model_len)
+
+    def _traced_requests(self, batch: ScheduledBatch) -> list[Request]:
         """This step's requests still missing a first step or a first token (their timelines are stamped after it)."""
         found = {}
-        for seq in self.scheduler.scheduled_sequences:
+        scheduled = {entry.seq_id for entry in batch.entries}
+        for seq in self.scheduler.running:
+            if seq.seq_id not in scheduled:
+                continue
             timeline = seq.request.timeline
             if timeline is not None and timeline.first_token is None:
                 found[seq.request.request_id] = seq.request
@@ -292,11 +302,12 @@ class Engine(RequestBuilder):
             if any(seq.num_output_tokens for seq in request.sequences):
                 timeline.first_token = shape
 
-    def _apply(self, batch, logits: torch.Tensor) -> list[RequestOutput]:  # logits: [num_sample_rows, vocab]
-        """The step's results: credit the computed tokens, sample or verify, append tokens with their stop checks."""
-        to_sample = self.scheduler.advance(batch)
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor,  # logits: [num_sample_rows, vocab]
+                to_sample: list[tuple[Sequence, int, list[int]]]) -> dict[str, SampledTokens]:
+        """The step's new tokens by sequence id: one per plain row (all such rows at once), a run per verification.
+        Reads the sequences' sampling state; changes none of it (that is `_update`'s)."""
+        sampled: dict[str, SampledTokens] = {}
         plain = [(seq, row) for seq, row, drafts in to_sample if not drafts]
-        touched: dict[str, Request] = {}
         if plain:
             rows = [row for _, row in plain]
             plain_logits = logits
@@ -304,49 +315,38 @@ class Engine(RequestBuilder):
                 plain_logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
             token_ids, logprobs = self.sampler(plain_logits, [seq for seq, _ in plain])
             for (seq, _), token_id, token_logprobs in zip(plain, token_ids, logprobs):
-                self._append_token(seq, token_id, token_logprobs)
-                touched[seq.request.request_id] = seq.request
+                sampled[seq.seq_id] = SampledTokens([token_id], [token_logprobs])
         for seq, row, drafts in to_sample:
             if drafts:
-                self._verify(seq, logits[row : row + len(drafts) + 1], drafts)
-                touched[seq.request.request_id] = seq.request
+                sampled[seq.seq_id] = verify_drafts(self.sampler, logits[row : row + len(drafts) + 1], seq,
+                                                    batch.drafts[seq.seq_id], self.eos_token_ids)
+        return sampled
+
+    def _update(self, batch: ScheduledBatch, to_sample: list[tuple[Sequence, int, list[int]]],
+                sampled: dict[str, SampledTokens]) -> list[RequestOutput]:
+        """Apply the step's tokens: each appended with its stop checks (a stop inside a verified run ends it there),
+        kept drafts' KV credited, the drafts' outcome recorded and rejected drafts' pages given back."""
+        touched: dict[str, Request] = {}
+        for seq, _, drafts in to_sample:
+            result = sampled[seq.seq_id]
+            num_kept = 0  # kept drafts among the tokens appended
+            for i, token_id in enumerate(result.token_ids):
+                if i < result.num_accepted_drafts:
+                    num_kept += 1
+                    self.scheduler.accept_draft(seq)
+                self._append_token(seq, token_id, result.logprobs[i])
+                if seq.is_finished:
+                    break
+            if drafts:
+                self.speculator.record(seq, batch.drafts[seq.seq_id].source, len(drafts), num_kept)
+                self.scheduler.release_rejected(seq)
+            touched[seq.request.request_id] = seq.request
         return [self._make_output(request) for request in touched.values()]
-
-    def _verify(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> None:  # rows: [k + 1, vocab]
-        """Walk the drafts in order: each position emits the target's token; a kept draft's KV counts.
-
-        The sequence's state (tokens, penalty counts, grammar) advances one token at a time, so
-        each position's distribution is the one the non-speculative sampler would use there. A
-        stop (EOS, stop string, max_tokens) inside the run ends it there.
-        """
-        targets = self.sampler.argmax_rows(rows, seq)  # one call for the whole run where it can be
-        num_accepted = 0
-        for i, draft in enumerate([*drafts, None]):
-            if targets is not None:
-                token_id, accepted, token_logprobs = targets[i], targets[i] == draft, None
-            else:
-                q = seq.draft_probs[i] if seq.draft_probs is not None and draft is not None else None
-                token_id, accepted, token_logprobs = self.sampler.verify_position(rows[i], seq, draft, q)
-            if accepted:
-                num_accepted += 1
-                self.scheduler.accept_draft(seq)
-            self._append_token(seq, token_id, token_logprobs)
-            if not accepted or seq.is_finished:
-                break
-        self.speculator.record(seq, len(drafts), num_accepted)
-        self.scheduler.release_rejected(seq)
 
     def _take_ended(self) -> list[Request]:
         """Requests that ended outside a step (aborted, or nothing to generate), to report now."""
         ended, self._ended = self._ended, []
         return ended
-
-    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
-        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
-            self._append_token(seq, token_id, token_logprobs)
-            touched[seq.request.request_id] = seq.request
-        return [self._make_output(request) for request in touched.values()]
 
     def _append_token(self, seq: Sequence, token_id: int, token_logprobs: dict[int, float] | None) -> None:
         seq.append_token(token_id)

@@ -62,6 +62,7 @@ def page_map(engine: Engine) -> dict:
     owner = [-1] * engine.num_blocks
     live = [*engine.scheduler.running, *(s for s in engine.scheduler.waiting if s.seq_id in engine.kv.block_tables)]
     for i, seq in enumerate(live):
+        drafting = engine.speculator.drafting(seq.seq_id)
         table = list(engine.kv.block_ids(seq))  # a snapshot: it crosses to the loop
         for block_id in table:
             if owner[block_id] == -1:
@@ -71,7 +72,7 @@ def page_map(engine: Engine) -> dict:
             "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": seq.num_tokens,
             "num_computed_tokens": seq.num_computed_tokens,
             "max_tokens": seq.params.max_tokens, "block_table": table,
-            "num_draft_tokens": seq.num_draft_tokens, "num_accepted_draft_tokens": seq.num_accepted_draft_tokens,
+            "num_draft_tokens": drafting.num_draft_tokens, "num_accepted_draft_tokens": drafting.num_accepted_tokens,
         })
     return {
         "block_size": engine.block_size,

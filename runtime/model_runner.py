@@ -12,7 +12,7 @@ import kernels
 from runtime.attention import AttentionMetadata
 from runtime.model.llama import LlamaForCausalLM
 from runtime.model.native_decode import NativeDecodeStep
-from runtime.scheduler import ScheduledBatch
+from runtime.batch import ScheduledBatch
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:  # int32 [len(rows), max_len]
@@ -42,12 +42,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kernel_backend = kernel_backend
+        self.attention = kernels.attention_backend(kernel_backend)  # its kernels, asked by its flags
         self.kv_cache = torch.zeros(
             config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=device
         )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
         # decode steps' layers in one C++ call where the model allows (None: the Python forward for every step)
-        self.native_decode = NativeDecodeStep.build(model, self.layer_caches, kernel_backend)
+        self.native_decode = NativeDecodeStep.build(model, self.layer_caches, self.attention)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (every layer, K and V): copy-on-write for shared partial pages."""
@@ -91,7 +92,7 @@ class ModelRunner:
         device = self.device
         plans = None
         config = self.model.config
-        if nd and self.kernel_backend == "torch" and config.attn_logit_softcap is None:  # a plan per distinct window
+        if nd and self.attention.reads_decode_plans and config.attn_logit_softcap is None:  # a plan per window
             plans = {window: kernels.plan_decode(tables[:nd], context_lens[:nd], bs, window, device,
                                                  owners=owners if nd > batch.num_decodes else None)  # a verification
                      for window in config.windows}
@@ -103,7 +104,7 @@ class ModelRunner:
             prefill_block_tables=_padded(tables[nd:], device),
             prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),  # chunk rows
             prefill_context_lens=torch.tensor(context_lens[nd:], dtype=torch.int32, device=device),
-            kernel_backend=self.kernel_backend,
+            backend=self.attention,
             decode_plans=plans,
         )
         return (

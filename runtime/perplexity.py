@@ -30,7 +30,7 @@ def prefill_hidden(engine, ids: torch.Tensor, start: int, end: int) -> torch.Ten
         prefill_block_tables=torch.arange(-(-end // engine.block_size), dtype=torch.int32, device=device)[None],
         prefill_query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
         prefill_context_lens=torch.tensor([end], dtype=torch.int32, device=device),
-        kernel_backend=runner.kernel_backend,
+        backend=runner.attention,
     )
     return runner.model(ids[start:end], positions, runner.layer_caches, meta)
 

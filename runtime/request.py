@@ -100,16 +100,6 @@ class Sequence:
         # grammar.GrammarMatcher: where this sample is in its grammar. Preemption keeps it: the
         # tokens are kept too, so the matcher stays in step with them
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and index == 0 else None
-        # speculation: this step's drafts (never in token_ids until verified), and how its drafts fared
-        self.draft_token_ids: list[int] = []
-        # float32 [len(draft_token_ids) or more, vocab]: the distribution each draft was drawn from (a sampling
-        # draft model); None: one-hot drafts (n-gram, suffix, prediction, a greedy draft model)
-        self.draft_probs: torch.Tensor | None = None
-        self.draft_source = ""  # where this step's drafts came from (a Proposer's source)
-        # per draft source: [first-draft acceptance estimate, verified steps behind it]; absent: none yet
-        self.draft_acceptance: dict[str, list] = {}
-        self.num_draft_tokens = 0
-        self.num_accepted_draft_tokens = 0
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token (and count it for penalties, if they are being counted)."""

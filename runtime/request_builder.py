@@ -1,13 +1,16 @@
 """The one validation of a caller's request, from what never changes after start.
 
-The engine is one (`Engine` subclasses it); a front door that routes to remote workers
+The engine holds one (`Engine.request_builder`); a front door that routes to remote workers
 builds one from a worker's limits (`RemoteModel`), so a bad request gets the same error before it crosses
 the network.
+
+Safe from any thread by design: a builder reads only its frozen limits and its tokenizer's
+encode, and its grammar compiler locks its own cache. The service builds requests on the
+event loop; the engine builds its own (pins, `add_request`) on its thread.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from runtime.grammar import CompiledGrammar, GrammarCompiler
@@ -33,11 +36,8 @@ class RequestBuilder:
     def __init__(self, tokenizer, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler for this tokenizer (its vocabulary index: warm_up(), or the first compile)."""
-        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, list(self.limits.eos_token_ids))
+        # the structured-output compiler for this tokenizer (its vocabulary index: warm_up(), or the first compile)
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, list(limits.eos_token_ids))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Prompt token ids: a string is encoded (BOS as the tokenizer says); token ids pass through."""

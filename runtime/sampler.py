@@ -216,7 +216,8 @@ class Sampler:
 
     def verify_position(self, row: torch.Tensor, seq: Sequence, draft: int | None,
                         q: torch.Tensor | None = None) -> tuple[int, bool, dict[int, float] | None]:  # row: float32 [vocab]
-        """The token one verified position emits for `seq`, in its state now (tokens so far, grammar, penalties).
+        """The token one verified position emits for `seq`, in its state now (tokens so far, grammar, penalties):
+        the sequence itself, or a verification's Lookahead (runtime/speculative/verification.py) of it.
 
         With a deterministic `draft` (q None): (the draft, True) with probability p(draft), else a
         draw from p without it. With `q` [vocab], the distribution the draft was drawn from: kept

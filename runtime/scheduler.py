@@ -18,9 +18,11 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
      prefixes arriving together are computed once); none are admitted in a step that had to
      preempt.
 
-A decode may carry drafts (speculative decoding: seq.draft_token_ids, set before the step):
-they ride in the same entry after its token, count against the budget, and are cut to the
-pages that can be had without preempting; only the sequence's own tokens are ever hashed.
+A decode may carry drafts (speculative decoding): `schedule` asks for them once room is made
+(`propose`: sequences in, {seq_id: Drafts} out), so none are made for a sequence preempted
+to make room. They ride in the same entry after its token, count against the budget, and are
+cut to the pages that can be had without preempting; the batch carries them as placed
+(`ScheduledBatch.drafts`). Only the sequence's own tokens are ever hashed.
 
 When the pool cannot cover a running sequence's tokens, the newest running sequence not
 yet scheduled this step (under "fair": of the tenant furthest ahead, if it has one) is
@@ -36,59 +38,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
+from runtime.batch import Drafts, ScheduledBatch, ScheduledSequence
 from runtime.fairness import FairQueue, FcfsQueue, VirtualTokenCounters
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Sequence, SequenceStatus
 from runtime.scheduling_policy import scheduling_policy_class
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step, as plain data: what the runner computes and which rows it samples.
-
-        token_ids:  | to compute (prompt chunk, or the last token) | drafts (k) |
-        positions:    start_position ...
-        logits rows:  the last num_sample_rows tokens (0 mid-prompt; 1 + k once caught up)
-    """
-
-    seq_id: str
-    token_ids: list[int]  # this step's input: tokens to compute, then the drafts to verify
-    start_position: int  # position of token_ids[0]
-    block_table: list[int]  # physical pages covering every position written (the manager's list: read only)
-    num_draft_tokens: int  # the last ones of token_ids are drafts
-    num_sample_rows: int  # logits rows this sequence gets: its last num_sample_rows tokens
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: decodes first (one token each, then a verification's drafts), then prompt chunks.
-
-    Every token of the first `num_decodes` entries is a decode query: a verification's k + 1
-    tokens attend as k + 1 decodes of growing context, the same computation a decode without
-    drafts would make at each position (so greedy tokens cannot change with speculation).
-    """
-
-    entries: list[ScheduledSequence] = field(default_factory=list)
-    num_decodes: int = 0  # leading entries computed as decodes
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.entries
-
-    @property
-    def num_new_tokens(self) -> list[int]:
-        return [len(e.token_ids) for e in self.entries]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.entries)
 
 
 class Scheduler:
@@ -106,17 +62,10 @@ class Scheduler:
         self.waiting: FcfsQueue | FairQueue = self.policy.new_queue()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()  # arrival order of requests (a preempted one keeps its place)
-        self._room_made = False  # make_room ran for the coming step
         self.num_fair_preemptions = 0  # of num_preemptions: a seat taken for a tenant below its share
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up, at first scheduling
         self.prefix_cache_hits = 0  # of which found in cached pages
-        self._scheduled: list[Sequence] = []  # the last schedule()'s sequences, in its entries' order
-
-    @property
-    def scheduled_sequences(self) -> list[Sequence]:
-        """The last schedule()'s sequences, in its entries' order (until advance())."""
-        return list(self._scheduled)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (the policy sees it arrive first: under "fair", its tenant may be lifted)."""
@@ -143,49 +92,53 @@ class Scheduler:
         pending += sum(s.num_tokens for s in self.waiting)
         return min(pending, self.max_num_batched_tokens)
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch and take the pages it writes (drafts included, where they fit)."""
+    def schedule(self, propose: Callable[[list[Sequence]], Mapping[str, Drafts]] | None = None) -> ScheduledBatch:
+        """Pick this step's batch and take the pages it writes, in three phases:
+
+        1. make room: the policy may preempt one sequence so that a tenant below its share starts;
+        2. drafts: `propose(running)` gives the running sequences' drafts (asked after phase 1, so the
+           sequence given back never drafts);
+        3. placement: decodes (then those with drafts, cut to what fits), chunks, waiting sequences.
+        """
         batch = ScheduledBatch()
-        self._scheduled = []
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         preempted = False
-        if not self._room_made:  # the engine calls make_room before drafting; direct callers get it here
-            self.make_room()
-        self._room_made = False
+        self.make_room()
+        drafts = propose(self.running) if propose is not None else {}
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        plain = [s for s in decodes if not s.draft_token_ids]  # one-token decodes lead the batch
+        plain = [s for s in decodes if s.seq_id not in drafts]  # one-token decodes lead the batch
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in plain + [s for s in decodes if s.draft_token_ids]:
-            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
+        for seq in plain + [s for s in decodes if s.seq_id in drafts]:
+            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted, drafts.get(seq.seq_id))
         budget = self.policy.prompt_budget(self, budget)  # what is left of the budget is prompt work
         chunk_tenants = {s.request.tenant for s in chunks}
         light = set()  # tenants behind and below their share that start a prompt before others' chunks
         if self.policy.by_tenant and chunk_tenants and not preempted:
-            num_entries = len(batch.entries)
-            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants)
-            light = {seq.request.tenant for seq in self._scheduled[num_entries:]}
+            admitted = []
+            budget = self._admit_waiting(batch, budget, scheduled, chunk_tenants, admitted)
+            light = {seq.request.tenant for seq in admitted}
         if light:  # their step carries the decodes and their prompts, not the others' chunks: a short step
             chunks = [s for s in chunks if s.request.tenant in light]
         for seq in chunks:
-            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted)
+            budget, preempted = self._schedule_running(batch, seq, budget, scheduled, preempted, None)
         if not preempted and not light:
             budget = self._admit_waiting(batch, budget, scheduled)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, seq: Sequence, budget: int, scheduled: set[str],
-                          preempted: bool) -> tuple[int, bool]:
-        """Schedule a running sequence's next tokens (its drafts where they fit), preempting for its pages
-        if it must; returns the budget left and whether anything has been preempted this step."""
+                          preempted: bool, proposed: Drafts | None) -> tuple[int, bool]:
+        """Schedule a running sequence's next tokens (its `proposed` drafts where they fit), preempting for its
+        pages if it must; returns the budget left and whether anything has been preempted this step."""
         if budget == 0 or seq.status is not SequenceStatus.RUNNING:  # out of budget, or preempted earlier
             return budget, preempted
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        drafts = self._fit_drafts(seq, budget)
+        drafts = self._fit_drafts(seq, budget, proposed)
         if not self.kv.has_room(seq, num_new + len(drafts)):  # most decodes write inside their last page
             if drafts and self.kv.can_allocate(seq, num_new + len(drafts)):
                 batch.blocks_to_copy += self.kv.allocate(seq, num_new + len(drafts))
             else:
-                drafts = seq.draft_token_ids = []  # never preempt for a draft
+                drafts = []  # never preempt for a draft
                 while not self.kv.can_allocate(seq, num_new):
                     victim = self._pick_victim(seq, scheduled)
                     self.preempt(victim)
@@ -197,20 +150,17 @@ class Scheduler:
                 batch.blocks_to_copy += self.kv.allocate(seq, num_new)
         # only tokens that are the sequence's own are hashed: a page holding a draft never is
         self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        if drafts:
+            batch.drafts[seq.seq_id] = proposed.cut(len(drafts))
         self._add_to_batch(batch, seq, num_new, drafts, scheduled)
         return budget - num_new - len(drafts), preempted
 
-    def _fit_drafts(self, seq: Sequence, budget: int) -> list[int]:
+    @staticmethod
+    def _fit_drafts(seq: Sequence, budget: int, proposed: Drafts | None) -> list[int]:
         """The drafts that fit this step: only for a sequence one token from caught up, within the budget."""
-        drafts = seq.draft_token_ids
-        if not drafts:
-            return drafts
-        if seq.num_tokens - seq.num_computed_tokens != 1:
-            seq.draft_token_ids = []
+        if proposed is None or seq.num_tokens - seq.num_computed_tokens != 1:
             return []
-        if len(drafts) > budget - 1:
-            drafts = seq.draft_token_ids = drafts[: budget - 1]
-        return drafts
+        return proposed.token_ids[: budget - 1]
 
     @staticmethod
     def num_seats(seq: Sequence) -> int:
@@ -223,20 +173,19 @@ class Scheduler:
         return cached, min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
 
     def make_room(self) -> None:
-        """Before a step (and before drafts are made for it): preempt the one sequence the policy names so that a
-        tenant below its share starts (under "fair"; runtime/scheduling_policy.py says when)."""
-        self._room_made = True
+        """The first phase of a step (before drafts are asked for): preempt the one sequence the policy names so
+        that a tenant below its share starts (under "fair"; runtime/scheduling_policy.py says when)."""
         victim = self.policy.room_victim(self)
         if victim is not None:
             self.preempt(victim)
             self.num_fair_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled: set[str],
-                       chunk_tenants: set[str] | None = None) -> int:
-        """Start waiting sequences in the queue's order while seats, budget and pages last; returns the budget
-        left. Given chunk_tenants (the tenants with prompt chunks to run this step), this is the admission
-        before those chunks: only tenants below their share of seats, not among them, and with a counter no
-        larger than theirs start (the policy's light_tenants)."""
+                       chunk_tenants: set[str] | None = None, admitted: list[Sequence] | None = None) -> int:
+        """Start waiting sequences in the queue's order while seats, budget and pages last (appended to
+        `admitted` when given); returns the budget left. Given chunk_tenants (the tenants with prompt chunks
+        to run this step), this is the admission before those chunks: only tenants below their share of
+        seats, not among them, and with a counter no larger than theirs start (the policy's light_tenants)."""
         num_seats = sum(self.num_seats(s) for s in self.running)  # pending forks hold their n seats
         policy = self.policy
         seats = self.seats_by_tenant() if policy.by_tenant else Counter()
@@ -264,8 +213,9 @@ class Scheduler:
             self.waiting.pop(first)
             seats[request.tenant] += self.num_seats(seq)
             seq.status = SequenceStatus.RUNNING
-            seq.draft_token_ids = []
             self.running.append(seq)
+            if admitted is not None:
+                admitted.append(seq)
             num_seats += self.num_seats(seq)
             self._add_to_batch(batch, seq, num_new, [], scheduled)
             budget -= num_new
@@ -286,10 +236,9 @@ class Scheduler:
         if num_new == 1 and batch.num_decodes == len(batch.entries):  # a decode, with or without drafts
             batch.num_decodes += 1
         batch.entries.append(ScheduledSequence(
-            seq.seq_id, seq.token_ids[start : start + num_new] + drafts, start, self.kv.block_ids(seq),
+            seq.seq_id, seq.token_ids[start : start + num_new] + drafts, start, list(self.kv.block_ids(seq)),
             len(drafts), 1 + len(drafts) if caught_up else 0,
         ))
-        self._scheduled.append(seq)
         scheduled.add(seq.seq_id)
 
     def _pick_victim(self, asking: Sequence, scheduled: set[str]) -> Sequence:
@@ -302,7 +251,6 @@ class Scheduler:
         self.kv.free(seq)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.push_front(seq)
         self.num_preemptions += 1
@@ -314,19 +262,23 @@ class Scheduler:
         1 + k with k drafts to verify (their KV is written; `accept_draft` credits each one kept).
         A request with n > 1 forks here, when its prompt is first fully computed: the forks
         share every page and sample from the same logits row.
+        Raises RuntimeError if an entry's sequence is no longer running (the batch is stale).
         """
+        running = {seq.seq_id: seq for seq in self.running}
         to_sample = []
         row = 0
-        for seq, entry in zip(self._scheduled, batch.entries):
+        for entry in batch.entries:
+            seq = running.get(entry.seq_id)
+            if seq is None:
+                raise RuntimeError(f"scheduled sequence {entry.seq_id!r} is not running: a batch is advanced once, "
+                                   "in the step that scheduled it")
             seq.num_computed_tokens += entry.num_new_tokens - entry.num_draft_tokens
             if not entry.num_sample_rows:
                 continue
-            drafts = entry.token_ids[entry.num_new_tokens - entry.num_draft_tokens :]
-            to_sample.append((seq, row, drafts))
+            to_sample.append((seq, row, entry.draft_token_ids))
             if seq.request.fork_pending:
                 to_sample += [(child, row, []) for child in self._fork(seq)]
             row += entry.num_sample_rows
-        self._scheduled = []
         return to_sample
 
     def served_output(self, seq: Sequence) -> None:
@@ -350,7 +302,6 @@ class Scheduler:
 
     def release_rejected(self, seq: Sequence) -> None:
         """After verification: pages wholly past the sequence's tokens (rejected drafts only) go back."""
-        seq.draft_token_ids = []
         if seq.status is SequenceStatus.RUNNING:
             self.kv.trim(seq)
 

@@ -137,7 +137,7 @@ def _feed_prefix_index(state: ServiceState, bridge: EngineBridge) -> asyncio.Tas
 async def _warm_up_grammars(state: ServiceState) -> None:
     """Index the vocabulary for structured outputs now, off the loop, not on the first constrained request."""
     try:
-        await asyncio.get_running_loop().run_in_executor(None, state.engine.grammars.warm_up)
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.request_builder.grammars.warm_up)
     except Exception:  # structured outputs will then fail (400 naming the field) on their own; serving goes on
         log.exception("the grammar engine could not index the vocabulary")
 

@@ -57,7 +57,7 @@ class ServiceState:
     pin_budget: PinBudget = field(init=False)  # each tenant's share of the pinned pages
 
     def __post_init__(self) -> None:
-        self.grammar_compiles = LoopCompiles(self.engine.grammars)
+        self.grammar_compiles = LoopCompiles(self.engine.request_builder.grammars)
         self.preprocessing = Preprocessing(self.settings.server.preprocessing_threads,
                                            bulk_bytes=self.settings.server.preprocessing_bulk_bytes,
                                            bulk_nice=self.settings.server.preprocessing_bulk_nice)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import structlog
 import torch
 
+import kernels
 from kernels import decode_step, grouped_matmul
 from runtime.attention import AttentionMetadata
 from runtime.model.grouped import GroupedWeight, SplitGroupedWeight
@@ -84,9 +85,9 @@ class NativeDecodeStep:
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, layer_caches: list[tuple[torch.Tensor, torch.Tensor]],
-              kernel_backend: str) -> NativeDecodeStep | None:
+              attention: kernels.AttentionBackend) -> NativeDecodeStep | None:
         """The native step for `model`, or None (logged with the reason) where it cannot serve it."""
-        reason = "the kernel backend is not torch" if kernel_backend != "torch" else _unserved(model)
+        reason = f"the {attention.name} kernels run attention" if not attention.runs_native_decode else _unserved(model)
         if reason is not None:
             _log.info("native_decode.off", reason=reason)
             return None

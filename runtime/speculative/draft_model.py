@@ -15,7 +15,7 @@ k + 1 tokens after a verification) gives d1, and c - 1 batched one-token forward
 
 The draft draws as the target would: greedy requests take its argmax (a one-hot q); sampled
 ones draw from its tempered, top-k/p, min-p filtered distribution q, which goes with the drafts
-(`seq.draft_probs`) so that verification accepts with min(1, p/q) and stays exact.
+(`Drafts.probs`) so that verification accepts with min(1, p/q) and stays exact.
 A sequence whose pages do not fit in the draft pool drafts nothing this step (its output is the
 same, only slower); its draft pages are freed with it.
 """
@@ -32,7 +32,7 @@ from runtime.model.llama import LlamaForCausalLM
 from runtime.model_runner import ModelRunner
 from runtime.request import Sequence
 from runtime.sampler import tempered_probs
-from runtime.scheduler import ScheduledBatch, ScheduledSequence
+from runtime.batch import ScheduledBatch, ScheduledSequence
 from runtime.speculative.rejection import draw
 
 log = structlog.get_logger(__name__)
@@ -83,17 +83,14 @@ class DraftModelProposer:
         return self.seconds_per_draft
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        return self.propose_batch([seq], [k])[0]
+        return self.propose_batch([seq], [k])[0][0]
 
-    def propose_batch(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
-        """Up to counts[i] drafts for each of `seqs` (each one token from caught up in the target).
-
-        Sets each drafting sequence's `draft_probs`: None for one-hot drafts (greedy), else
-        float32 [num_drafts, vocab], the distribution each draft was drawn from.
+    def propose_batch(self, seqs: list[Sequence], counts: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Up to counts[i] drafts for each of `seqs` (each one token from caught up in the target), each with
+        the distribution it was drawn from: None for one-hot drafts (greedy), else float32 [num_drafts, vocab].
         """
         jobs: list[tuple[Sequence, _DraftState, int]] = []
         for seq, count in zip(seqs, counts):
-            seq.draft_probs = None
             count = min(count, self.max_model_len - seq.num_tokens + 1)
             if count <= 0:
                 continue
@@ -102,7 +99,7 @@ class DraftModelProposer:
                 jobs.append((seq, state, count))
         drafts: dict[str, list[int]] = {seq.seq_id: [] for seq in seqs}
         if not jobs:
-            return [drafts[seq.seq_id] for seq in seqs]
+            return [(drafts[seq.seq_id], None) for seq in seqs]
         probs: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _, _ in jobs}
         # one forward over what each draft cache lacks, ending with the sequence's last token: d1
         entries = []
@@ -111,7 +108,7 @@ class DraftModelProposer:
             chunk = seq.token_ids[start:]
             state.token_ids += chunk
             state.num_confirmed = len(state.token_ids)
-            entries.append(ScheduledSequence(seq.seq_id, chunk, start, state.block_ids, 0, 1))
+            entries.append(ScheduledSequence(seq.seq_id, chunk, start, list(state.block_ids), 0, 1))
         self._draw(ScheduledBatch(entries=entries, num_decodes=0), jobs, drafts, probs)
         # then one token at a time: d(i) in, d(i + 1) out. Their time is what a draft costs (the forward above
         # also catches up a prompt the first time, which no later draft pays again)
@@ -122,7 +119,8 @@ class DraftModelProposer:
             entries = []
             for seq, state, _ in running:
                 token = drafts[seq.seq_id][-1]
-                entries.append(ScheduledSequence(seq.seq_id, [token], len(state.token_ids), state.block_ids, 0, 1))
+                entries.append(ScheduledSequence(seq.seq_id, [token], len(state.token_ids), list(state.block_ids),
+                                                 0, 1))
                 state.token_ids.append(token)
             self._draw(ScheduledBatch(entries=entries, num_decodes=len(entries)), running, drafts, probs)
             num_timed += len(running)
@@ -130,10 +128,8 @@ class DraftModelProposer:
             seconds = (time.perf_counter() - started) / num_timed
             self.seconds_per_draft = seconds if self.seconds_per_draft is None else (
                 COST_DECAY * self.seconds_per_draft + (1.0 - COST_DECAY) * seconds)
-        for seq, _, _ in jobs:
-            if probs[seq.seq_id]:
-                seq.draft_probs = torch.stack(probs[seq.seq_id])  # [num_drafts, vocab]
-        return [drafts[seq.seq_id] for seq in seqs]
+        stacked = {seq_id: torch.stack(rows) for seq_id, rows in probs.items() if rows}  # [num_drafts, vocab]
+        return [(drafts[seq.seq_id], stacked.get(seq.seq_id)) for seq in seqs]
 
     def _caught_up_state(self, seq: Sequence, count: int) -> _DraftState | None:
         """The sequence's draft state cut back to what agrees with its tokens, with pages for `count` drafts."""

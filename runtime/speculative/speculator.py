@@ -1,11 +1,12 @@
 """The engine's speculation: which sequences draft how much this step, and what came of it.
 
-Before each step, `propose` gives every running sequence that is one token from caught up
-its drafts (`seq.draft_token_ids`): from the request's `prediction` when it has one, else
-from the configured method, cut at the first token the sequence's grammar refuses, then to
-what the policy says pays (policy.plan_drafts). The
-scheduler may cut them further (token budget, pages, max_tokens); the engine verifies what
-ran and reports back through `record`.
+Each step, once the scheduler has made room, `propose` returns the drafts of the running
+sequences that are one token from caught up, keyed by sequence id (`runtime.batch.Drafts`):
+from the request's `prediction` when it has one, else from the configured method, cut at the
+first token the sequence's grammar refuses, then to what the policy says pays
+(policy.plan_drafts). The scheduler may cut them further (token budget, pages); the engine
+verifies what ran and reports back through `record`. The speculator keeps every count it
+learns from (per source, and per sequence until `forget`); sequences carry none of it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.request import Sequence, SequenceStatus
 from config import SpeculativeConfig
+from runtime.batch import Drafts
+from runtime.request import Sequence, SequenceStatus
 from runtime.speculative.policy import StepCostModel, plan_drafts
 from runtime.speculative.proposers import PROPOSERS, PredictionProposer, Proposer
 
@@ -28,6 +30,16 @@ def _averaged(estimate: float, observed: float, num_observed: int, decay: float)
     prior) weighs as one observation, so the first few observations move it fast, later ones by 1 - decay."""
     weight = max(1.0 - decay, 1.0 / (num_observed + 2))
     return (1.0 - weight) * estimate + weight * observed
+
+
+@dataclass
+class SequenceDrafting:
+    """What one sequence's drafts have come to so far."""
+
+    # per draft source: [first-draft acceptance estimate, verified steps behind it]; absent: none yet
+    acceptance: dict[str, list] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which kept
 
 
 @dataclass
@@ -62,22 +74,25 @@ class Speculator:
         self.source_counts: dict[str, list[int]] = {}  # observations behind each of those rates
         self.cost = StepCostModel(settings.draft_token_cost)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_drafts)
+        self.sequences: dict[str, SequenceDrafting] = {}  # seq_id -> its drafts' record, until forget
 
-    def propose(self, running: list[Sequence], num_prefill_tokens: Callable[[], int], max_model_len: int) -> None:
-        """Set `draft_token_ids` on the running sequences (empty where drafting does not pay or finds nothing).
+    def drafting(self, seq_id: str) -> SequenceDrafting:
+        """The sequence's drafts' record (an empty one if it has verified none)."""
+        return self.sequences.get(seq_id) or SequenceDrafting()
+
+    def propose(self, running: list[Sequence], num_prefill_tokens: Callable[[], int],
+                max_model_len: int) -> dict[str, Drafts]:
+        """The running sequences' drafts for this step, by sequence id (a sequence drafting nothing is absent).
 
         `num_prefill_tokens()`: prompt tokens the step will also compute (asked only when drafting may happen).
         """
         if self.proposer is None and not any(seq.request.prediction_token_ids for seq in running):
-            return  # nothing could draft (a verification clears its drafts, so none are left over)
-        decoding = []
-        for seq in running:
-            seq.draft_token_ids = []
-            if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                decoding.append(seq)
+            return {}  # nothing could draft
+        decoding = [seq for seq in running
+                    if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1]
         num_decodes = len(decoding)
         if not decoding:
-            return
+            return {}
         num_base_tokens = num_decodes + num_prefill_tokens()
         cost = self.cost.coefficients()
         sources = (self.proposer.sources if self.proposer is not None else ())
@@ -85,71 +100,77 @@ class Speculator:
                    for seq in decoding)
         seeded = any(seq.params.seed is not None and not seq.params.is_greedy for seq in decoding)
         if not seeded and not plan_drafts([[best]], num_base_tokens, num_decodes, cost)[0]:
-            return  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
-        candidates: list[tuple[Sequence, list[int]]] = []
-        deferred: dict[str, Sequence] = {}  # a batched method's: planned first, drafted after (each draft costs a forward)
+            return {}  # not even the likeliest sequence's first draft would pay (a large batch): propose nothing
+        candidates: list[tuple[Sequence, Drafts]] = []
+        deferred: set[str] = set()  # a batched method's: planned first, drafted after (each draft costs a forward)
         batched = getattr(self.proposer, "batched", False)
         for seq in decoding:
-            seq.draft_probs = None
             # drafts past max_tokens or the model's length could never be emitted
             k = min(self.max_drafts, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
             if k <= 0:
                 continue
             drafts = self.prediction.propose(seq, k) if seq.request.prediction_token_ids else []
-            seq.draft_source = self.prediction.source
+            source = self.prediction.source
             if not drafts and self.proposer is not None:
-                seq.draft_source = self.proposer.source
+                source = self.proposer.source
                 if batched:
-                    deferred[seq.seq_id] = seq
-                    candidates.append((seq, [0] * k))  # placeholders: how many is planned below
+                    deferred.add(seq.seq_id)
+                    candidates.append((seq, Drafts([0] * k, source)))  # placeholders: how many is planned below
                     continue
                 drafts = self.proposer.propose(seq, k)
-            drafts = self._grammar_cut(seq, drafts)
+                source = self.proposer.source
+            drafts = self._grammar_cut(seq, drafts, sampled=False)
             if drafts:
-                candidates.append((seq, drafts))
+                candidates.append((seq, Drafts(drafts, source)))
         if not candidates:
-            return
-        gains = [self._gains(seq, len(drafts)) for seq, drafts in candidates]
+            return {}
+        gains = [self._gains(seq, drafts.source, len(drafts.token_ids)) for seq, drafts in candidates]
         extra = self.proposer.draft_cost(cost[0]) if batched else 0.0
         extra_costs = [extra if seq.seq_id in deferred else 0.0 for seq, _ in candidates] if deferred else None
         counts = plan_drafts(gains, num_base_tokens, num_decodes, cost, extra_costs)
         # a seeded sampled sequence drafts all it has: the policy's cut follows the clock, and a different
         # count would spend its seeded draws differently (the same distribution, not the same output)
-        counts = [len(drafts) if seq.params.seed is not None and not seq.params.is_greedy else count
+        counts = [len(drafts.token_ids) if seq.params.seed is not None and not seq.params.is_greedy else count
                   for (seq, drafts), count in zip(candidates, counts)]
-        planned: list[tuple[Sequence, int]] = []
+        proposed: dict[str, Drafts] = {}
+        planned: list[tuple[Sequence, int, str]] = []
         for (seq, drafts), count in zip(candidates, counts):
+            if count <= 0:
+                continue
             if seq.seq_id not in deferred:
-                seq.draft_token_ids = drafts[:count]
-            elif count > 0:
-                planned.append((seq, count))
+                proposed[seq.seq_id] = drafts.cut(count)
+            else:
+                planned.append((seq, count, drafts.source))
         if planned:
-            made = self.proposer.propose_batch([seq for seq, _ in planned], [count for _, count in planned])
-            for (seq, _), drafts in zip(planned, made):
-                seq.draft_token_ids = self._grammar_cut(seq, drafts)
+            made = self.proposer.propose_batch([seq for seq, _, _ in planned], [count for _, count, _ in planned])
+            for (seq, _, source), (token_ids, probs) in zip(planned, made):
+                token_ids = self._grammar_cut(seq, token_ids, sampled=probs is not None)
+                if token_ids:
+                    proposed[seq.seq_id] = Drafts(token_ids, source, probs)
+        return proposed
 
     @staticmethod
-    def _grammar_cut(seq: Sequence, drafts: list[int]) -> list[int]:
+    def _grammar_cut(seq: Sequence, drafts: list[int], sampled: bool) -> list[int]:
         """The drafts up to the first one the sequence's grammar refuses (it could never be kept).
 
-        A sampled draft (`seq.draft_probs` set) keeps that refused token: verification must reject
-        it by the rule (a draw from max(p - q, 0)), since cutting there would depend on the value q
-        drew; what follows it is never reached. A one-hot draft is exact whatever it is: cut before.
+        A `sampled` draft (drawn from a distribution q) keeps that refused token: verification must
+        reject it by the rule (a draw from max(p - q, 0)), since cutting there would depend on the
+        value q drew; what follows it is never reached. A one-hot draft is exact whatever it is: cut before.
         """
         if not drafts or seq.grammar is None:
             return drafts
-        return drafts[: seq.grammar.num_valid(drafts) + (seq.draft_probs is not None)]
+        return drafts[: seq.grammar.num_valid(drafts) + sampled]
 
-    def _gains(self, seq: Sequence, num_drafts: int) -> list[float]:
+    def _gains(self, seq: Sequence, source: str, num_drafts: int) -> list[float]:
         """P(draft j kept, and every one before it), j = 1..num_drafts.
 
         A position the source has never reached borrows the rate of the one before it: held at the
         prior instead, a source that starts with short drafts would never try its later positions
         and so never learn they pay (a prediction copied exactly stayed at 6 of 8 drafts).
         """
-        gain = self._acceptance(seq)
-        continuation = self._continuation(seq.draft_source)
-        counts = self.source_counts.get(seq.draft_source)
+        gain = self._acceptance(seq, source)
+        continuation = self._continuation(source)
+        counts = self.source_counts.get(source)
         gains = [gain]
         rate = self.prior
         for position in range(1, num_drafts):
@@ -159,10 +180,10 @@ class Speculator:
             gains.append(gain)
         return gains
 
-    def _acceptance(self, seq: Sequence, source: str | None = None) -> float:
+    def _acceptance(self, seq: Sequence, source: str) -> float:
         """The sequence's own estimate for a source once it has verified drafts from it; before that, the source's."""
-        source = seq.draft_source if source is None else source
-        own = seq.draft_acceptance.get(source)
+        record = self.sequences.get(seq.seq_id)
+        own = record.acceptance.get(source) if record is not None else None
         return own[0] if own is not None else self.source_acceptance.get(source, self.prior)
 
     def _best_of(self, seq: Sequence, sources: tuple[str, ...]) -> float:
@@ -179,8 +200,8 @@ class Speculator:
         """A step's size and wall time, for the cost model."""
         self.cost.observe(num_tokens, seconds)
 
-    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """What verifying `num_drafts` drafts of `seq` gave: the first `num_accepted` were kept."""
+    def record(self, seq: Sequence, source: str, num_drafts: int, num_accepted: int) -> None:
+        """What verifying `num_drafts` drafts of `seq` from `source` gave: the first `num_accepted` were kept."""
         if num_drafts == 0:
             return
         stats = self.stats
@@ -189,13 +210,15 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_draft_tokens += num_accepted
-        source = seq.draft_source
+        record = self.sequences.get(seq.seq_id)
+        if record is None:
+            record = self.sequences[seq.seq_id] = SequenceDrafting()
+        record.num_draft_tokens += num_drafts
+        record.num_accepted_tokens += num_accepted
         if source in self.prediction.sources:
             seq.request.num_accepted_prediction_tokens += num_accepted
         first = float(num_accepted > 0)  # the first draft: kept or not
-        own = seq.draft_acceptance.setdefault(source, [self._acceptance(seq), 0])
+        own = record.acceptance.setdefault(source, [self._acceptance(seq, source), 0])
         own[0] = _averaged(own[0], first, own[1], ACCEPTANCE_DECAY)
         own[1] += 1
         counts = self.source_counts.setdefault(source, [0] * self.max_drafts)
@@ -209,7 +232,8 @@ class Speculator:
             counts[position] += 1
 
     def forget(self, seq: Sequence) -> None:
-        """Drop a finished sequence's proposer state."""
+        """Drop a finished sequence's proposer state and its drafts' record."""
+        self.sequences.pop(seq.seq_id, None)
         self.prediction.forget(seq)
         if self.proposer is not None:
             self.proposer.forget(seq)

@@ -87,7 +87,7 @@ def _engine_pin_id(tenant_id: str, pin_id: str) -> str:
 
 def _pin_prompt(state: ServiceState, text: str) -> tuple[list[int], int]:
     """(the pin's token ids, its operator-shared prefix length): on a preprocessing thread."""
-    token_ids = state.engine.tokenize(text)
+    token_ids = state.engine.request_builder.tokenize(text)
     return token_ids, state.tenants.shared_prefix_len(token_ids, state.encode_prefix)  # hashed as requests will be
 
 
@@ -193,10 +193,11 @@ async def prefix_index_lookup(request: web.Request) -> web.Response:
     prompt = request.query.get("prompt")
     if prompt is None:
         raise APIError(400, "give the prompt text: ?prompt=...", "prompt", "missing_prompt")
-    token_ids = state.engine.tokenize(prompt)
+    builder = state.engine.request_builder
+    token_ids = builder.tokenize(prompt)
     salt = state.tenants.cache_salt(tenant_id, request.query.get("cache_salt"))
     shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix)
-    probe = state.engine.prepare_request("prefix-lookup", token_ids, SamplingParams(max_tokens=0), salt, shared)
+    probe = builder.prepare_request("prefix-lookup", token_ids, SamplingParams(max_tokens=0), salt, shared)
     hashes: list[bytes] = []  # as the engine hashes this prompt's full blocks
     extend_block_hashes(hashes, token_ids, state.engine.block_size, probe.cache_salt, probe.num_shared_blocks)
     if state.prefix_index is None:  # behind Dynamo (DynamoBridge): its indexer, per worker id

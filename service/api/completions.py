@@ -89,7 +89,7 @@ def _completion_prompts(state: ServiceState, raw: bytes):
     body = decode_body(raw, CompletionRequest)
     state.check_model(body.model)
     given = body.prompts()
-    prompts = [state.engine.tokenize(p) for p in given]
+    prompts = [state.engine.request_builder.tokenize(p) for p in given]
     echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in given] if body.echo else None
     return body, prompts, echo_texts, body.output_constraint()
 

@@ -51,13 +51,14 @@ class Generation:
         ids = [fmt.response_id] if len(prompts) == 1 else [f"{fmt.response_id}-{i}" for i in range(len(prompts))]
         self.requests: list[Request] = []  # validated here, once; the engine queues them as they are
         self.prediction = body.prediction_text()  # Predicted Outputs' text, or None
+        builder = state.engine.request_builder
         for request_id, token_ids in zip(ids, prompts):
             params = body.sampling_params(len(token_ids), state.engine.max_model_len, constraint)
             shared = state.tenants.shared_prefix_len(token_ids, state.encode_prefix, body.prompt_cache_key)
-            self.requests.append(state.engine.prepare_request(request_id, token_ids, params, cache_salt, shared,
-                                                              prompt_param=body.prompt_param, grammar=grammar,
-                                                              prediction=self.prediction, tenant=tenant.tenant_id,
-                                                              tenant_weight=tenant.weight, priority=body.priority))
+            self.requests.append(builder.prepare_request(request_id, token_ids, params, cache_salt, shared,
+                                                         prompt_param=body.prompt_param, grammar=grammar,
+                                                         prediction=self.prediction, tenant=tenant.tenant_id,
+                                                         tenant_weight=tenant.weight, priority=body.priority))
         self.wakeup = asyncio.Event()
         self.streams = [RequestStream(r.request_id, len(r.prompt_token_ids), self.n, self.wakeup, tenant.tenant_id)
                         for r in self.requests]

@@ -12,7 +12,7 @@ from service.streams import RequestStream
 @dataclass
 class Add:
     stream: RequestStream
-    request: Request  # validated by engine.prepare_request on the loop
+    request: Request  # validated by engine.request_builder.prepare_request on the loop
 
 
 @dataclass

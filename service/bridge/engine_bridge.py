@@ -66,7 +66,8 @@ class EngineBridge(StreamsInFlight):
         self._running = self._thread.submit(self._run)
 
     def submit(self, stream: RequestStream, request: Request) -> None:
-        """Register the stream and send its request (from engine.prepare_request) to the engine; returns at once."""
+        """Register the stream and send its request (from engine.request_builder.prepare_request) to the engine;
+        returns at once."""
         self.streams[stream.request_id] = stream
         self.inbox.put(Add(stream, request))
 

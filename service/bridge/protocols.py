@@ -28,8 +28,21 @@ class Tokenizer(Protocol):
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]: ...
 
 
+class RequestBuilderLike(Protocol):
+    """Request validation (runtime.request_builder.RequestBuilder): safe on the event loop."""
+
+    grammars: GrammarCompiler  # structured outputs, compiled off the loop (service/grammars.py)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
+                        prompt_param: str = "prompt", grammar: CompiledGrammar | None = None,
+                        prediction: str | list[int] | None = None, tenant: str = "default",
+                        tenant_weight: float = 1.0, priority: int = 0) -> Request: ...
+
+
 class ModelLike(Protocol):
-    """What the event loop may ask of a model: facts fixed at start, and request validation.
+    """What the event loop may ask of a model: facts fixed at start, and its request builder.
 
     The embedded engine (runtime.Engine) or, behind Dynamo, service.distributed.front_door.RemoteModel.
     """
@@ -39,14 +52,7 @@ class ModelLike(Protocol):
     max_model_len: int
     block_size: int
     limits: RequestLimits  # the sizes requests are checked against (max_num_seqs sets admission too)
-    grammars: GrammarCompiler  # structured outputs, compiled off the loop (service/grammars.py)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        cache_salt: str | bytes | None = None, shared_prefix_len: int = 0, pin_id: str | None = None,
-                        prompt_param: str = "prompt", grammar: CompiledGrammar | None = None,
-                        prediction: str | list[int] | None = None, tenant: str = "default",
-                        tenant_weight: float = 1.0, priority: int = 0) -> Request: ...
+    request_builder: RequestBuilderLike  # validation: the one place requests are built
 
 
 class EngineLike(ModelLike, Protocol):

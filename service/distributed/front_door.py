@@ -51,13 +51,15 @@ class WorkerLost(UnavailableError):
     """No worker could take the request, or its worker's stream broke or ended before the request did."""
 
 
-class RemoteModel(RequestBuilder):
+class RemoteModel:
     """What the loop asks of an engine (service.bridge.protocols.ModelLike), for a model served by workers: the
     checkpoint's tokenizer and the workers' limits, so requests are validated before they leave (the
     worker checks again)."""
 
     def __init__(self, model_name: str, tokenizer, limits: RequestLimits) -> None:
-        super().__init__(tokenizer, limits)
+        self.request_builder = RequestBuilder(tokenizer, limits)
+        self.tokenizer = tokenizer
+        self.limits = limits
         self.model_name = model_name
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size

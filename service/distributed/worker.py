@@ -69,7 +69,7 @@ class Worker:
         self.engine = engine
         self.bridge = bridge
         self.model_name = model_name
-        self.grammars = LoopCompiles(engine.grammars)
+        self.grammars = LoopCompiles(engine.request_builder.grammars)
 
     async def handle(self, request, context):
         """Dynamo's handler: one call in, its frames out (builtins)."""
@@ -88,11 +88,10 @@ class Worker:
         try:
             params = wire.params_of(call)
             grammar = await self.grammars.compile(params.structured_outputs)  # off this loop, as the front door
-            request = self.engine.prepare_request(call.request_id, call.prompt_token_ids, params,
-                                                  wire.salt_bytes(call.cache_salt),
-                                                  call.num_shared_blocks * self.engine.block_size, grammar=grammar,
-                                                  prediction=call.prediction_token_ids, tenant=call.tenant,
-                                                  tenant_weight=call.tenant_weight, priority=call.priority)
+            request = self.engine.request_builder.prepare_request(
+                call.request_id, call.prompt_token_ids, params, wire.salt_bytes(call.cache_salt),
+                call.num_shared_blocks * self.engine.block_size, grammar=grammar, prediction=call.prediction_token_ids,
+                tenant=call.tenant, tenant_weight=call.tenant_weight, priority=call.priority)
         except InvalidRequestError as exc:
             yield wire.failure_of(exc)
             return

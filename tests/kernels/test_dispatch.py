@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import attention_backends, reference
 from tests.kernels.helpers import paged_problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_environment_overrides_auto_but_not_an_explicit_backend(monkeypatch):
     assert kernels.resolve_backend("auto", CUDA) == "torch"
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
     assert kernels.resolve_backend("torch", CPU) == "torch"
-    if kernels._triton_kernels().interpreted:
+    if attention_backends.triton_kernels().interpreted:
         assert kernels.resolve_backend("auto", CPU) == "triton"
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "cuda")
     with pytest.raises(kernels.KernelBackendError, match="PAGEDSERVE_KERNELS='cuda'"):

@@ -7,7 +7,7 @@ import pytest
 
 import triton  # noqa: E402,F401  a dev dependency (`make test` installs it): missing is a failure, not a skip
 
-import kernels  # noqa: E402
+from kernels import attention_backends  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
 from tests.kernels.helpers import triton_devices  # noqa: E402
 
@@ -21,7 +21,7 @@ LAUNCHERS = ("write_kv", "paged_prefill_attention", "paged_decode_attention")
 @pytest.mark.parametrize("device", triton_devices())
 def test_greedy_output_with_triton_kernels_equals_torch_backend(stories_dir, device, monkeypatch):
     calls = Counter()
-    triton_kernels = kernels._triton_kernels()
+    triton_kernels = attention_backends.triton_kernels()
 
     def counted(name):
         def launch(*args, **kwargs):
@@ -31,7 +31,7 @@ def test_greedy_output_with_triton_kernels_equals_torch_backend(stories_dir, dev
         return launch
 
     counting = types.SimpleNamespace(**{name: counted(name) for name in LAUNCHERS}, interpreted=triton_kernels.interpreted)
-    monkeypatch.setattr(kernels, "_triton_kernels", lambda: counting)
+    monkeypatch.setattr(attention_backends, "triton_kernels", lambda: counting)
     # batches of 16 tokens: the long prompt is prefilled in chunks over its cached pages,
     # next to the other prompt's decodes, so all three kernels run
     params = SamplingParams(max_tokens=8, temperature=0)

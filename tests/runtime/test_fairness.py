@@ -258,8 +258,8 @@ def test_neither_policy_starts_a_cached_prompt_ahead_of_an_earlier_uncached_one(
     from runtime import Engine
 
     engine = Engine.from_pretrained(stories_dir, num_blocks=256, max_num_seqs=1, scheduling=scheduling)
-    shared = engine.tokenize("Once upon a time, there was a little girl named Lily. She loved to play in the park "
-                             "with her dog and her friends every day after school.")
+    shared = engine.request_builder.tokenize("Once upon a time, there was a little girl named Lily. She loved to play "
+                                             "in the park with her dog and her friends every day after school.")
     shared_len = len(shared) // BS * BS
     greedy = SamplingParams(max_tokens=3, temperature=0)
     engine.generate([shared + [7]], greedy)  # the shared prefix is cached

@@ -13,7 +13,8 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, Sequence, SequenceStatus
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.batch import ScheduledBatch
+from runtime.scheduler import Scheduler
 
 BS = 4  # block size in every test
 _token_base = itertools.count(1000, 1000)  # distinct prompts unless a test passes its own

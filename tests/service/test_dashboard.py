@@ -157,7 +157,7 @@ def test_events_send_a_compact_snapshot_of_idle_pages(server):
 
 def test_events_show_a_running_request_and_its_page_table(server):
     server.wait_idle()
-    num_prompt_tokens = len(server.state.engine.tokenize(PROMPT))
+    num_prompt_tokens = len(server.state.engine.request_builder.tokenize(PROMPT))
     with Load(server, num_workers=1), requests.get(server.url + "/dashboard/events", stream=True,
                                                    timeout=10) as response:
         for _, snapshot in itertools.islice(Events(response), 40):

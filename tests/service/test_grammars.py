@@ -33,7 +33,7 @@ def test_the_server_indexes_the_vocabulary_at_start_up(server):
     import time
 
     deadline = time.monotonic() + 10
-    while server.state.engine.grammars._llg is None:  # built off the loop by the app's start-up task
+    while server.state.engine.request_builder.grammars._llg is None:  # built off the loop by the app's start-up task
         if time.monotonic() > deadline:
             pytest.fail("the vocabulary was not indexed after start-up")
         time.sleep(0.05)

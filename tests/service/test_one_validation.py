@@ -1,4 +1,5 @@
-"""Each request is validated once (Engine.prepare_request, on the loop): the same error on every path.
+"""Each request is validated once (RequestBuilder.prepare_request, on the loop): the same error on every
+path.
 
 A prompt too long for the context, token ids outside the vocabulary and an empty prompt get
 one error body, whether the request came as JSON, as an SSE stream or over the WebSocket,

@@ -127,7 +127,7 @@ def test_the_dashboard_payload_carries_each_sequences_drafts(stories_dir):
         engine.step()
     [row] = compact_page_map(engine.page_map(), "stories260K", engine.max_model_len)["seqs"]
     drafted, accepted = row[8], row[9]
-    assert drafted > 0 and accepted == seq.num_accepted_draft_tokens > 0
+    assert drafted > 0 and accepted == engine.speculator.drafting(seq.seq_id).num_accepted_tokens > 0
     engine.abort_request("d")
     engine.step()
 

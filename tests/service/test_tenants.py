@@ -87,7 +87,7 @@ def test_operator_shared_prefix_is_shared_and_only_it(server):
     prompt = SYSTEM + " Tell me about the fox and the owl and the bear in the woods."
     acme.completions.create(model="stories260K", prompt=prompt, max_tokens=2, temperature=0)
     out = globex.completions.create(model="stories260K", prompt=prompt, max_tokens=2, temperature=0)
-    num_system_tokens = len(server.state.engine.tokenize(SYSTEM))
+    num_system_tokens = len(server.state.engine.request_builder.tokenize(SYSTEM))
     cached = out.usage.prompt_tokens_details.cached_tokens
     assert cached == (num_system_tokens // 16) * 16 and cached > 0  # the shared pages, not acme's suffix
 
@@ -195,7 +195,8 @@ def test_pinned_prefix_survives_a_restart(stories_dir, tenants_file):
         deadline = time.monotonic() + 10
         while server.state.bridge.stats.get("num_pinned_blocks", 0) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert server.state.bridge.stats["num_pinned_blocks"] == len(server.state.engine.tokenize(pin_text)) // 16
+        num_pin_tokens = len(server.state.engine.request_builder.tokenize(pin_text))
+        assert server.state.bridge.stats["num_pinned_blocks"] == num_pin_tokens // 16
         listed = requests.get(server.url + "/v1/pinned-prefixes", headers=headers, timeout=10).json()["data"]
         assert [p["id"] for p in listed] == ["mouse"]
         out = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["acme"], max_retries=0).completions.create(
@@ -227,7 +228,7 @@ def test_no_tenant_created_prefix_joins_the_operators_shared_scope(stories_dir, 
         assert pinned.status_code == 201
         requests.post(server.url + "/v1/pinned-prefixes", json={"id": "planner", "text": pin_text},
                       headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=10).raise_for_status()
-        num_system_blocks = len(server.state.engine.tokenize(SYSTEM)) // 16
+        num_system_blocks = len(server.state.engine.request_builder.tokenize(SYSTEM)) // 16
         assert cached(acme, pin_text + " Go!") >= 16  # acme's pin is acme's
         assert cached(globex, pin_text + " Go!") == 0  # a tenant's pin is not shared
         # a pin that begins with the operator's prefix: only the operator's whole pages are shared

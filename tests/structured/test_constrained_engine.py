@@ -158,7 +158,7 @@ def test_the_demo_model_and_its_byte_tokenizer_take_constraints_too():
 
 def test_the_compiler_caches_by_constraint_within_its_bound(random_checkpoints):
     engine = _engine(random_checkpoints["qwen2"])
-    compiler = engine.grammars
+    compiler = engine.request_builder.grammars
     compiler.cache_size = 4
     first = compiler.compile(StructuredOutputs(json=SCHEMAS["one_string"], param="a"))
     assert compiler.compile(StructuredOutputs(json=json.dumps(SCHEMAS["one_string"]), param="b")) is first
@@ -177,7 +177,7 @@ def test_the_compiler_caches_by_constraint_within_its_bound(random_checkpoints):
 def test_a_constraint_that_does_not_compile_names_its_field(random_checkpoints, spec, words):
     engine = _engine(random_checkpoints["qwen2"])
     with pytest.raises(InvalidRequestError) as caught:
-        engine.prepare_request("r", PROMPT, SamplingParams(structured_outputs=StructuredOutputs(**spec,
+        engine.request_builder.prepare_request("r", PROMPT, SamplingParams(structured_outputs=StructuredOutputs(**spec,
                                                                                               param="response_format")))
     assert caught.value.param == "response_format" and words in caught.value.message
 
@@ -200,5 +200,5 @@ def test_logit_bias_moves_greedy_choices(random_checkpoints):
                                                         logit_bias={banned: -100, forced: 100}))
     assert biased.outputs[0].token_ids == [forced] * 6
     with pytest.raises(InvalidRequestError) as caught:
-        engine.prepare_request("r", PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
+        engine.request_builder.prepare_request("r", PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
     assert caught.value.param == "logit_bias"

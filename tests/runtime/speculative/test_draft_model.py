@@ -90,7 +90,7 @@ def test_each_steps_drafts_are_the_draft_checkpoints_own_greedy_continuation(sto
 
     def recording(self, seqs, counts):
         made = original(self, seqs, counts)
-        seen.extend((list(seq.token_ids), drafts) for seq, drafts in zip(seqs, made))
+        seen.extend((list(seq.token_ids), drafts) for seq, (drafts, _) in zip(seqs, made))
         return made
 
     monkeypatch.setattr(DraftModelProposer, "propose_batch", recording)
@@ -215,15 +215,13 @@ class _HalfRefusedDraft:
     def propose_batch(self, seqs, counts):
         made = []
         for seq in seqs:
-            seq.draft_probs = None
             if seq.num_output_tokens != 1:
-                made.append([])
+                made.append(([], None))
                 continue
             refused = next(t for t in range(self.vocab_size) if seq.grammar.num_valid([t]) == 0)
             q = torch.zeros(self.vocab_size)
             q[self.token] = q[refused] = 0.5
-            seq.draft_probs = q[None]
-            made.append([self.token if float(torch.rand((), generator=self.generator)) < 0.5 else refused])
+            made.append(([self.token if float(torch.rand((), generator=self.generator)) < 0.5 else refused], q[None]))
         return made
 
     def forget(self, seq) -> None:

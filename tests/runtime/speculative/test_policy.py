@@ -128,12 +128,12 @@ def test_a_draft_position_never_reached_borrows_the_rate_of_the_one_before_it():
 
     speculator = Speculator(None)  # `prediction` only: k = 8
     seq = make_seq("a", [1, 2, 3], max_tokens=100)
-    seq.draft_source = "prediction"
     for _ in range(20):
-        speculator.record(seq, 3, 3)
-    gains = speculator._gains(seq, 8)
+        speculator.record(seq, "prediction", 3, 3)
+    gains = speculator._gains(seq, "prediction", 8)
     observed = speculator.source_continuation["prediction"]
     assert observed[1] > 0.9 and observed[2] > 0.9 and observed[3] == speculator.prior  # position 3 never reached
     assert gains[3] == pytest.approx(gains[2] * observed[2]) and gains[7] > 0.5
-    speculator.record(seq, 5, 3)  # now position 3 was reached, and refused: it has its own rate
-    assert speculator._gains(seq, 8)[3] < speculator._gains(seq, 8)[2] * speculator.source_continuation["prediction"][2]
+    speculator.record(seq, "prediction", 5, 3)  # now position 3 was reached, and refused: it has its own rate
+    gains = speculator._gains(seq, "prediction", 8)
+    assert gains[3] < gains[2] * speculator.source_continuation["prediction"][2]

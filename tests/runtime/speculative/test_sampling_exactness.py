@@ -178,5 +178,5 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_refuses(stories_dir):
             pass
 
     spec.speculator.proposer = Fixed()
-    spec.speculator.propose(spec.scheduler.running, lambda: 0, spec.max_model_len)
-    assert seq.draft_token_ids == valid  # cut before the refused draft: it could never be kept
+    proposed = spec.speculator.propose(spec.scheduler.running, lambda: 0, spec.max_model_len)
+    assert proposed[seq.seq_id].token_ids == valid  # cut before the refused draft: it could never be kept

@@ -102,12 +102,7 @@ class ChatFormat(ResponseFormat):
 
     def _read_calls(self, parser, text: str, last: bool, message: dict) -> list[dict]:
         """Set `message`'s content to the part of `text` that is not calls; the tool call deltas in it."""
-        content, calls = parser.feed(text)
-        if last:
-            tail, more = parser.finish()
-            content, calls = content + tail, calls + more
-        only_calls = self.tool_plan.choice in ("required", "function") or (parser.calls and not content.strip())
-        message["content"] = None if only_calls else content  # OpenAI's null beside calls
+        message["content"], calls = self.tool_plan.read_calls(parser, text, last)
         return calls
 
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:

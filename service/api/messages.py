@@ -2,7 +2,8 @@
 POST /v1/messages/count_tokens.
 
 A Messages body becomes a chat completion body (messages_protocol.py) and runs as one: the same
-tenant, limits, ledger, prefix cache, tools and grammar path. What comes back is reshaped:
+tenant, limits, ledger, prefix cache, tools and grammar path. What comes back (the chat core's
+typed output events: service/api/core/events.py) is encoded as Messages:
 
     chat message content / tool_calls  ->  content blocks: text / tool_use (input: the arguments object)
     finish_reason stop / length / tool_calls  ->  stop_reason end_turn (stop_sequence when a stop
@@ -30,6 +31,8 @@ from aiohttp import web
 from runtime.errors import InvalidRequestError
 from runtime.json_limits import decode_json
 from service.api.completions import SSE_HEADERS, chat_generation, chat_prompt
+from service.api.core.events import Finished, OutputEvent, TextDelta, ToolArgsDelta, ToolCallStarted
+from service.api.core.translator import OutputTranslator, WholeOutput
 from service.api.generation import ChoiceAccumulator, Generation
 from service.api.messages_protocol import CountTokensRequest, MessagesRequest
 from service.api.protocol import ChatCompletionRequest, decode_body
@@ -120,12 +123,11 @@ def _stop(finish_reason: str | None, matched: int | str | None, stops: list[str]
     return ("end_turn" if finish_reason is not None else None), None
 
 
-def _blocks(message: dict) -> list[dict]:
-    """A chat message's content and tool calls as Messages content blocks."""
-    blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    for call in message.get("tool_calls") or []:
-        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": _tool_input(call["function"]["arguments"])})
+def _blocks(whole: WholeOutput) -> list[dict]:
+    """A choice's text and tool calls as Messages content blocks."""
+    blocks = [{"type": "text", "text": whole.text}] if whole.text else []
+    for call_id, name, arguments in whole.calls:
+        blocks.append({"type": "tool_use", "id": call_id, "name": name, "input": _tool_input(arguments)})
     return blocks
 
 
@@ -149,12 +151,12 @@ async def _whole(generation: Generation, message_id: str, stops: list[str]) -> w
     async for deltas in generation.deltas():
         for index, delta in deltas:
             acc.add(index, delta)
-    whole = acc.choices[0]
-    choice = generation.fmt.final_choice(0, whole)
+    whole = WholeOutput(OutputTranslator(generation.fmt.tool_plan).events(0, acc.choices[0]))
     await generation.usage_recorded()  # the answer goes out only once its bill is on disk
-    blocks = _blocks(choice["message"])
-    called = any(block["type"] == "tool_use" for block in blocks)
-    stop_reason, stop_sequence = _stop(choice["finish_reason"], whole.stop_reason, stops, called)
+    blocks = _blocks(whole)
+    finished = whole.finished
+    stop_reason, stop_sequence = _stop(finished and finished.reason, finished and finished.stop_reason, stops,
+                                       bool(whole.calls))
     return web.json_response(_message(generation, message_id, blocks, stop_reason, stop_sequence))
 
 
@@ -163,7 +165,7 @@ def _event(name: str, data: dict) -> bytes:
 
 
 class _Blocks:
-    """Turns chat stream deltas into content block events: one open block at a time, numbered from 0."""
+    """Turns output events into content block events: one open block at a time, numbered from 0."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -188,24 +190,23 @@ class _Blocks:
         return events + [_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                                         "delta": {"type": "text_delta", "text": text}})]
 
-    def tool_call(self, call: dict) -> list[bytes]:
-        events = []
-        if "id" in call:  # a new call
+    def encode(self, event: OutputEvent) -> list[bytes]:
+        """The content block events for one output event (none for Finished: message_delta says it)."""
+        if isinstance(event, TextDelta):
+            return self.text(event.text)
+        if isinstance(event, ToolCallStarted):
             self.called = True
-            events += self._start("tool_use", {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                                               "input": {}})
-        arguments = call.get("function", {}).get("arguments")
-        if arguments:
-            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                         "delta": {"type": "input_json_delta",
-                                                                   "partial_json": arguments}}))
-        return events
+            return self._start("tool_use", {"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}})
+        if isinstance(event, ToolArgsDelta):
+            delta = {"type": "input_json_delta", "partial_json": event.arguments}
+            return [_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})]
+        return []
 
 
 async def _stream(request: web.Request, generation: Generation, message_id: str, stops: list[str]) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    fmt = generation.fmt
+    translator = OutputTranslator(generation.fmt.tool_plan)
     blocks = _Blocks()
     started = False
     finish_reason = matched = None
@@ -217,16 +218,13 @@ async def _stream(request: web.Request, generation: Generation, message_id: str,
                 start["usage"]["output_tokens"] = 0
                 out += [_event("message_start", {"type": "message_start", "message": start}),
                         _event("ping", {"type": "ping"})]
+            started = True
             for index, delta in deltas:
-                choice = fmt.delta_choice(index, delta, first=not started)
-                started = True
-                message = choice["delta"]
-                if message.get("content"):
-                    out += blocks.text(message["content"])
-                for call in message.get("tool_calls") or []:
-                    out += blocks.tool_call(call)
-                finish_reason = choice["finish_reason"] or finish_reason
-                matched = delta.stop_reason if delta.finish_reason else matched
+                for event in translator.events(index, delta):
+                    if isinstance(event, Finished):
+                        finish_reason, matched = event.reason, event.stop_reason
+                    else:
+                        out += blocks.encode(event)
             if out:
                 await response.write(b"".join(out))
     except (ConnectionResetError, ConnectionError):

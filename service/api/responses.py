@@ -7,7 +7,8 @@
     GET    /v1/responses/{id}/input_items    its input items (a list page)
 
 A Responses body becomes chat messages (responses_protocol.py) and runs as a chat generation: the
-same tenant, limits, ledger, prefix cache, tools and grammar path. Its deltas become output items
+same tenant, limits, ledger, prefix cache, tools and grammar path. Its output events (the chat core's,
+typed: service/api/core/events.py) become output items
 (`OutputItems`): a `message` item (one `output_text` part) while text comes, a `function_call`
 item per parsed tool call. Streaming and JSON share that one path; streaming writes its events:
 
@@ -36,6 +37,8 @@ from aiohttp import web
 from runtime.json_limits import decode_json
 from runtime.sampling_params import InvalidRequestError
 from service.api.completions import SSE_HEADERS, chat_generation
+from service.api.core.events import Finished, OutputEvent, TextDelta, ToolArgsDelta, ToolCallStarted
+from service.api.core.translator import OutputTranslator
 from service.api.generation import Generation
 from service.api.openai_fields import IGNORED_HEADER
 from service.api.protocol import ChatCompletionRequest, decode_body
@@ -56,7 +59,8 @@ def _not_found(response_id: str, param: str = "response_id") -> APIError:
 
 
 class OutputItems:
-    """Chat message deltas -> Responses output items and the events that build them (no sequence numbers)."""
+    """Output events (service/api/core/events.py) -> Responses output items and the events that build them (no
+    sequence numbers)."""
 
     def __init__(self) -> None:
         self.output: list[dict] = []
@@ -82,16 +86,17 @@ class OutputItems:
         return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0, "delta": text,
                           "logprobs": []}]
 
-    def tool_call(self, call: dict) -> list[dict]:
-        events = []
-        if "id" in call:  # a new call
-            events += self._add({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                                 "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
-        arguments = call.get("function", {}).get("arguments")
-        if arguments and self._open is not None and self._open["type"] == "function_call":
-            self._open["arguments"] += arguments
-            events.append({"type": "response.function_call_arguments.delta", **self._where(), "delta": arguments})
-        return events
+    def encode(self, event: OutputEvent) -> list[dict]:
+        """The Responses events for one output event (none for Finished: the run's status says it)."""
+        if isinstance(event, TextDelta):
+            return self.text(event.text)
+        if isinstance(event, ToolCallStarted):
+            return self._add({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                              "call_id": event.call_id, "name": event.name, "arguments": ""})
+        if isinstance(event, ToolArgsDelta) and self._open is not None and self._open["type"] == "function_call":
+            self._open["arguments"] += event.arguments
+            return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.arguments}]
+        return []
 
     def close(self, status: str = "completed") -> list[dict]:
         """End the open item (status: completed, or incomplete when the output was cut)."""
@@ -137,6 +142,7 @@ class Run:
         self.context = context  # the chat messages before this turn's input (a previous response's)
         self.created_at = int(time.time())
         self.items = OutputItems()
+        self.translator = OutputTranslator(generation.fmt.tool_plan)
         self.status = "queued" if body.background else "in_progress"
         self.incomplete_details: dict | None = None
         self.error: dict | None = None
@@ -146,16 +152,12 @@ class Run:
     def events(self, deltas: list) -> list[dict]:
         """The events for one wake-up's deltas (choice 0: this API asks for one)."""
         events: list[dict] = []
-        fmt = self.generation.fmt
         for index, delta in deltas:
-            choice = fmt.delta_choice(index, delta, first=False)
-            message = choice["delta"]
-            if message.get("content"):
-                events += self.items.text(message["content"])
-            for call in message.get("tool_calls") or []:
-                events += self.items.tool_call(call)
-            if choice["finish_reason"] is not None:
-                self._finished(delta.finish_reason)
+            for event in self.translator.events(index, delta):
+                if isinstance(event, Finished):
+                    self._finished(event.engine_reason)
+                else:
+                    events += self.items.encode(event)
         return events
 
     def _finished(self, engine_reason: str | None) -> None:

@@ -91,6 +91,16 @@ class ToolPlan:
             return PARSERS[self.call_format]([t["function"]["name"] for t in self.tools])
         return None
 
+    def read_calls(self, parser: ToolCallParser, text: str, last: bool) -> tuple[str | None, list[dict]]:
+        """(the part of `text` that is content, None when the answer is only calls; the tool call deltas in it),
+        `text` fed to the choice's `parser` (`last`: the choice's final text, so the parser finishes)."""
+        content, calls = parser.feed(text)
+        if last:
+            tail, more = parser.finish()
+            content, calls = content + tail, calls + more
+        only_calls = self.choice in ("required", "function") or (parser.calls and not content.strip())
+        return (None if only_calls else content), calls  # OpenAI's null content beside calls
+
     def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         """OpenAI's: "tool_calls" when auto or required produced calls; a named call ends "stop"."""
         if reason == "stop" and num_calls and self.choice in ("auto", "required"):

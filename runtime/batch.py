@@ -33,7 +33,7 @@ class Drafts:
                                                                       self.probs)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledTokens:
     """What one sequence's rows gave this step: its new tokens (one, or a verification's run), in order."""
 

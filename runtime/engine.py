@@ -329,6 +329,10 @@ class Engine:
         touched: dict[str, Request] = {}
         for seq, _, drafts in to_sample:
             result = sampled[seq.seq_id]
+            touched[seq.request.request_id] = seq.request
+            if not drafts:  # one token: most rows, kept to the fewest steps
+                self._append_token(seq, result.token_ids[0], result.logprobs[0])
+                continue
             num_kept = 0  # kept drafts among the tokens appended
             for i, token_id in enumerate(result.token_ids):
                 if i < result.num_accepted_drafts:
@@ -337,10 +341,8 @@ class Engine:
                 self._append_token(seq, token_id, result.logprobs[i])
                 if seq.is_finished:
                     break
-            if drafts:
-                self.speculator.record(seq, batch.drafts[seq.seq_id].source, len(drafts), num_kept)
-                self.scheduler.release_rejected(seq)
-            touched[seq.request.request_id] = seq.request
+            self.speculator.record(seq, batch.drafts[seq.seq_id].source, len(drafts), num_kept)
+            self.scheduler.release_rejected(seq)
         return [self._make_output(request) for request in touched.values()]
 
     def _take_ended(self) -> list[Request]:

@@ -1,14 +1,14 @@
 """The engine's step in two source trees, side by side: a refactor's cost outside the model, measured.
 
     git worktree add /tmp/base <commit>
-    .venv/bin/python bench/step_ab.py /tmp/base . [--batches 1 16 64] [--rounds 3]
+    .venv/bin/python bench/step_ab.py /tmp/base . [--batches 1 16 64] [--rounds 3] [--model smollm2] [--sampled]
 
 For each batch size, each tree runs in its own process (alternated, `--rounds` times): stories260K,
 B requests of 64-token prompts prefilled, then 8 blocks of 25 greedy decode steps timed (the
 minimum block's step time: the least disturbed by a busy machine; and its time outside
 `runner.execute`: scheduling, sampling, stop checks, outputs), and 50 more steps under
 cProfile for the Python function calls per step (deterministic: the same code makes the same calls,
-whatever the machine's noise). Results: bench/results/step_ab.json.
+whatever the machine's noise). Results: bench/results/step_ab[_smollm2][_sampled].json.
 """
 
 from __future__ import annotations
@@ -25,14 +25,20 @@ from common import log, machine_info, write_result
 
 CHILD = r"""
 import cProfile, json, pstats, sys, time
-tree, batch = sys.argv[1], int(sys.argv[2])
+tree, batch, model, sampled = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "sampled"
 sys.path[:0] = [tree, tree + "/bench"]
 from common import STORIES, make_prompts
 from runtime import Engine, SamplingParams
-engine = Engine.from_pretrained(STORIES, num_blocks=4096, max_num_seqs=max(64, batch), max_num_batched_tokens=4096)
-params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)  # 64 + 400 within the 512 positions
+if model == "smollm2":
+    from smollm2 import gguf_file
+    model_dir = gguf_file()
+else:
+    model_dir = STORIES
+engine = Engine.from_pretrained(model_dir, num_blocks=4096, max_num_seqs=max(64, batch), max_num_batched_tokens=4096)
+# 64 + 400 within stories260K's 512 positions; sampled: the knobs chat clients send, each row its own seed
+knobs = dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1) if sampled else dict(temperature=0)
 for i, prompt in enumerate(make_prompts(batch, 64, 64, seed=1)):
-    engine.add_request(f"r{i}", prompt, params)
+    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=400, ignore_eos=True, seed=i, **knobs))
 for _ in range(4):
     engine.step()
 runner_seconds = [0.0]
@@ -63,8 +69,9 @@ print(json.dumps({"step_ms_min": min(blocks), "outside_ms_min": min(outside),
 """
 
 
-def run(tree: Path, batch: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(batch)], capture_output=True, text=True,
+def run(tree: Path, batch: int, model: str, sampled: bool) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(batch), model, "sampled" if sampled else "greedy"],
+                          capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,6 +82,10 @@ def main() -> None:
     parser.add_argument("new", type=Path)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=("stories260K", "smollm2"), default="stories260K",
+                        help="smollm2: SmolLM2-135M-Instruct's Q4_1 GGUF (bench/smollm2.py): 49,152-token rows to sample")
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top_p 0.9, top_k 50, "
+                        "repetition_penalty 1.1, a seed per request (default: greedy)")
     args = parser.parse_args()
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
     rows = []
@@ -83,7 +94,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = ("base", "new") if round_index % 2 == 0 else ("new", "base")
             for name in order:
-                runs[name].append(run(trees[name], batch))
+                runs[name].append(run(trees[name], batch, args.model, args.sampled))
                 log(f"batch {batch} round {round_index + 1}/{args.rounds} {name}: {runs[name][-1]}")
         row = {"batch": batch}
         for name, results in runs.items():
@@ -97,8 +108,9 @@ def main() -> None:
             f"min step {row['base']['step_ms_min']} -> {row['new']['step_ms_min']} ms, outside the runner (median "
             f"of rounds' minima) {row['base']['outside_ms_median']} -> {row['new']['outside_ms_median']} ms")
         rows.append(row)
-    write_result("step_ab", False, {"machine": machine_info(), "trees": {k: str(v) for k, v in trees.items()},
-                                    "rows": rows})
+    name = "step_ab" + ("" if args.model == "stories260K" else f"_{args.model}") + ("_sampled" if args.sampled else "")
+    write_result(name, False, {"machine": machine_info(), "trees": {k: str(v) for k, v in trees.items()},
+                               "model": args.model, "sampled": args.sampled, "rows": rows})
 
 
 if __name__ == "__main__":

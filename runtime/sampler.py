@@ -6,6 +6,11 @@ the grammar's allowed tokens (constrained rows only: the rest of the row is drop
 greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. The draw for a seeded sequence uses
 only that sequence's own generator (one draw per token), so its output does not depend
 on what else is in the batch.
+
+The rows without a grammar go together, in batch form (runtime/sampling/: a SamplingMetadata of
+the step's parameters, then row-wise tensor ops: penalties, filters, one draw per row); a grammar's
+row, and each verified position, runs the same ops as a batch of one, so every path gives a row
+the same distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 from kernels.token_mask import allowed_token_ids
 from runtime.grammar import fill_bitmasks
 from runtime.request import Sequence
+from runtime.sampling import ops
+from runtime.sampling.metadata import SamplingMetadata
 from runtime.speculative.rejection import draw, residual_distribution, verify_draft
 
 
@@ -49,44 +56,37 @@ class PenaltyCounts:
         return PenaltyCounts(self.seen.clone(), self.output_counts.clone())
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vocab]
-    """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI)."""
-    params = seq.params
+def _column(value: float) -> torch.Tensor:  # float32 [1, 1]
+    return torch.tensor([[value]], dtype=torch.float32)
+
+
+def penalty_counts(seq: Sequence, vocab_size: int, device: torch.device) -> PenaltyCounts:
+    """The sequence's counts, made from its tokens on its first penalised step, then kept up to date."""
     if seq.penalty_counts is None:
-        seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, logits.shape[0],
-                                                       logits.device)
-    counts = seq.penalty_counts
-    logits = logits.clone()
-    if params.repetition_penalty != 1.0:
-        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(counts.seen, penalised, logits)
-    if params.presence_penalty or params.frequency_penalty:
-        output = counts.output_counts
-        logits -= params.frequency_penalty * output + params.presence_penalty * (output > 0).to(logits.dtype)
-    return logits
+        seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, vocab_size, device)
+    return seq.penalty_counts
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:  # [vocab]
+    """Repetition penalty over prompt + output (HF style); presence/frequency over output (OpenAI): ops.penalise
+    on one row."""
+    params = seq.params
+    counts = penalty_counts(seq, logits.shape[0], logits.device)
+    return ops.penalise(logits[None], counts.seen[None], counts.output_counts[None],
+                        _column(params.repetition_penalty), _column(params.presence_penalty),
+                        _column(params.frequency_penalty))[0]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:  # [vocab]
-    """Mask (to -inf) the tokens that top_k, top_p and min_p rule out; logits already tempered."""
-    if top_k > 0 and top_k < logits.shape[0]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-        drop_sorted = mass_before >= top_p
-        drop_sorted[0] = False  # the best token always stays (top_p=0 keeps only it)
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+    """Mask (to -inf) the tokens that top_k, top_p and min_p rule out; logits already tempered (one row of
+    ops.filter_rows)."""
+    return ops.filter_rows(logits[None], torch.tensor([top_k]), _column(top_p), _column(min_p))[0]
 
 
 def tempered_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
     """softmax of the row tempered, then top-k / top-p / min-p filtered (what a sampled draw uses)."""
-    return torch.softmax(filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
+    return ops.tempered_probs(row[None], _column(params.temperature), torch.tensor([params.top_k]),
+                              _column(params.top_p), _column(params.min_p))[0]
 
 
 def held_back(seq: Sequence) -> torch.Tensor | None:  # int64 [m]
@@ -115,7 +115,7 @@ class Sampler:
             for i, ids in allowed.items():
                 token_ids[i] = int(ids[logits[i, ids].argmax()])
         else:
-            token_ids = [self._sample_row(logits[i], seq, allowed.get(i)) for i, seq in enumerate(seqs)]
+            token_ids = self._sample_rows(logits, seqs, allowed)
         token_logprobs = [
             self._logprobs(logprobs[i], token_ids[i], seq.params.logprobs) if seq.params.logprobs is not None else None
             for i, seq in enumerate(seqs)
@@ -160,14 +160,53 @@ class Sampler:
                 allowed[i] = row_ids
         return allowed
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None = None) -> int:
-        """One token for one sequence; with `allowed` (a grammar's ids) only among those."""
-        return self._pick(row, seq, allowed, None)[0]
+    def _sample_rows(self, logits: torch.Tensor, seqs: SequenceOf[Sequence],  # logits: float32 [rows, vocab]
+                     allowed: dict[int, torch.Tensor]) -> list[int]:
+        """One token per row: the rows without a grammar together (penalties, argmax or filters and a draw, as
+        tensors), a grammar's row among its allowed ids. Every sampled row's uniform is drawn first, in row order."""
+        meta = SamplingMetadata.build([seq.params for seq in seqs])
+        uniforms = {i: torch.rand((), dtype=torch.float64, generator=seq.generator or self.generator)
+                    for i, seq in enumerate(seqs) if not meta.greedy[i]}
+        token_ids = [0] * len(seqs)
+        for i, ids in allowed.items():
+            token_ids[i] = self._pick(logits[i], seqs[i], ids, None, uniform=uniforms.get(i))[0]
+        free = [i for i in range(len(seqs)) if i not in allowed]
+        if not free:
+            return token_ids
+        rows, free_meta = logits, meta
+        if len(free) < len(seqs):
+            rows, free_meta = logits[torch.tensor(free, dtype=torch.int64)], meta.rows(free)
+        if free_meta.penalised:
+            rows = self._penalised(rows, [seqs[i] for i in free], free_meta)
+        greedy = [j for j, i in enumerate(free) if meta.greedy[i]]
+        if greedy:
+            picked = rows[torch.tensor(greedy, dtype=torch.int64)].argmax(dim=-1).tolist()
+            for j, token_id in zip(greedy, picked):
+                token_ids[free[j]] = token_id
+        sampled = [j for j, i in enumerate(free) if not meta.greedy[i]]
+        if sampled:
+            chosen = free_meta.rows(sampled) if len(sampled) < len(free) else free_meta
+            at = torch.tensor(sampled, dtype=torch.int64)
+            probs = self.target_probs_rows(rows[at] if len(sampled) < len(free) else rows, chosen)
+            picked = ops.draw_rows(probs, torch.stack([uniforms[free[j]] for j in sampled]))
+            for j, token_id in zip(sampled, picked):
+                token_ids[free[j]] = token_id
+        return token_ids
+
+    @staticmethod
+    def _penalised(rows: torch.Tensor, seqs: list[Sequence], meta: SamplingMetadata) -> torch.Tensor:
+        """`rows` [rows, vocab] with the penalised rows' penalties applied (a new tensor; the others as they are)."""
+        at = torch.tensor(meta.penalised, dtype=torch.int64)
+        counts = [penalty_counts(seqs[j], rows.shape[1], rows.device) for j in meta.penalised]
+        penalised = ops.penalise(rows[at], torch.stack([c.seen for c in counts]),
+                                 torch.stack([c.output_counts for c in counts]), meta.repetition_penalty[at],
+                                 meta.presence_penalty[at], meta.frequency_penalty[at])
+        return rows.index_put((at,), penalised)
 
     def _pick(self, row: torch.Tensor, seq: Sequence, allowed: torch.Tensor | None,
-              draft: int | None, q: torch.Tensor | None = None) -> tuple[int, bool]:
-        """(token, whether it is `draft`): a plain draw without a draft, else the exact rejection rule
-        (`q` [vocab]: the draft's distribution; None: one-hot)."""
+              draft: int | None, q: torch.Tensor | None = None, uniform: torch.Tensor | None = None) -> tuple[int, bool]:
+        """(token, whether it is `draft`): a plain draw without a draft (`uniform`: its draw, made already), else
+        the exact rejection rule (`q` [vocab]: the draft's distribution; None: one-hot)."""
         params = seq.params
         if params.has_penalties:
             row = apply_penalties(row, seq)
@@ -190,7 +229,7 @@ class Sampler:
             if draft is None:
                 # Inverse CDF: one uniform draw per token (so a seeded sequence's draws do not depend on
                 # the batch); a token of probability 0 is never chosen
-                choice, accepted = draw(probs, generator), False
+                choice, accepted = draw(probs, generator, uniform), False
             elif index is None:  # the grammar refuses the draft: p(d) = 0, rejected; the residual is p (one-hot q)
                 torch.rand((), dtype=torch.float64, generator=generator)  # the acceptance draw, spent as always
                 residual = probs if q is None else residual_distribution(probs, q, 0)
@@ -212,7 +251,12 @@ class Sampler:
     @staticmethod
     def target_probs(row: torch.Tensor, params) -> torch.Tensor:  # [len(row)]
         """The distribution a sampled token is drawn from: the (penalised, restricted) row tempered, then filtered."""
-        return tempered_probs(row, params)
+        return Sampler.target_probs_rows(row[None], SamplingMetadata.build([params]))[0]
+
+    @staticmethod
+    def target_probs_rows(rows: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:  # [rows, vocab]
+        """target_probs for a batch of rows (every sampled row's distribution comes from here, one or many)."""
+        return ops.tempered_probs(rows, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
 
     def verify_position(self, row: torch.Tensor, seq: Sequence, draft: int | None,
                         q: torch.Tensor | None = None) -> tuple[int, bool, dict[int, float] | None]:  # row: float32 [vocab]

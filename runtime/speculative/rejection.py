@@ -48,10 +48,13 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft: int) -
     return residual / total
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from `probs` [vocab] by inverse CDF with one uniform draw (probability-0 tokens never come out)."""
+def draw(probs: torch.Tensor, generator: torch.Generator, uniform: torch.Tensor | None = None) -> int:
+    """One token from `probs` [vocab] by inverse CDF with one uniform draw (probability-0 tokens never come out);
+    `uniform` (float64, 0-dim): that draw, made already by the caller from the same generator."""
     cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    if uniform is None:
+        uniform = torch.rand((), dtype=torch.float64, generator=generator)
+    u = uniform * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import msgspec
 
 from runtime.outputs import TokenLogprob
+from service.api.core.events import TextDelta, ToolArgsDelta, ToolCallStarted
+from service.api.core.translator import OutputTranslator, WholeOutput
 from service.streams import ChoiceDelta
 
 
@@ -88,7 +90,8 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
-    """Chat bodies; with a ToolPlan, each choice's text goes through its tool call parser."""
+    """Chat bodies; with a ToolPlan, each choice's output is encoded from its typed output events
+    (service/api/core: the tool call parser runs there, once per choice)."""
 
     api = "chat.completions"
 
@@ -98,12 +101,15 @@ class ChatFormat(ResponseFormat):
     def __init__(self, *args, tool_plan=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_plan = tool_plan  # service.api.tools.ToolPlan, or None: the text is the content
-        self._parsers: dict = {}  # choice index -> its tool_parsers.ToolCallParser, while streaming
+        self._translator = OutputTranslator(tool_plan)  # used only with a plan
+        self._num_calls: dict[int, int] = {}  # choice index -> tool calls started so far, while streaming
 
-    def _read_calls(self, parser, text: str, last: bool, message: dict) -> list[dict]:
-        """Set `message`'s content to the part of `text` that is not calls; the tool call deltas in it."""
-        message["content"], calls = self.tool_plan.read_calls(parser, text, last)
-        return calls
+    def _content(self, text: str, num_calls: int) -> str | None:
+        """A message's content: its text, or OpenAI's null where the answer is only calls (a constrained tool
+        choice, or calls with no text beside them)."""
+        if text:
+            return text
+        return None if self.tool_plan.choice in ("required", "function") or num_calls else ""
 
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
         if self.num_top_logprobs is None:
@@ -124,13 +130,23 @@ class ChatFormat(ResponseFormat):
         message = {"role": "assistant", "content": delta.text, "refusal": None} if first else {"content": delta.text}
         finish_reason = delta.finish_reason
         if self.tool_plan is not None:
-            parser = self._parsers.get(index)
-            if parser is None:
-                parser = self._parsers[index] = self.tool_plan.new_parser()
-            calls = self._read_calls(parser, delta.text, finish_reason is not None, message)
+            texts, calls = [], []
+            num_calls = self._num_calls.get(index, 0)
+            for event in self._translator.events(index, delta):
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                elif isinstance(event, ToolCallStarted):
+                    num_calls += 1
+                    calls.append({"index": num_calls - 1, "id": event.call_id, "type": "function",
+                                  "function": {"name": event.name, "arguments": ""}})
+                elif isinstance(event, ToolArgsDelta):
+                    calls.append({"index": num_calls - 1, "function": {"arguments": event.arguments}})
+                else:
+                    finish_reason = event.reason
+            self._num_calls[index] = num_calls
+            message["content"] = self._content("".join(texts), num_calls)
             if calls:
                 message["tool_calls"] = calls
-            finish_reason = self.tool_plan.finish_reason(finish_reason, len(parser.calls))
         return {"index": index, "delta": message, "logprobs": self.logprobs(delta.logprobs),
                 "finish_reason": finish_reason}
 
@@ -138,11 +154,13 @@ class ChatFormat(ResponseFormat):
         message = {"role": "assistant", "content": whole.text, "refusal": None}
         finish_reason = whole.finish_reason
         if self.tool_plan is not None:
-            parser = self.tool_plan.new_parser()
-            self._read_calls(parser, whole.text, True, message)
-            if parser.calls:
-                message["tool_calls"] = parser.calls
-            finish_reason = self.tool_plan.finish_reason(finish_reason, len(parser.calls))
+            output = WholeOutput(OutputTranslator(self.tool_plan).events(index, whole))
+            message["content"] = self._content(output.text, len(output.calls))
+            if output.calls:
+                message["tool_calls"] = [{"id": call_id, "type": "function",
+                                          "function": {"name": name, "arguments": arguments}}
+                                         for call_id, name, arguments in output.calls]
+            finish_reason = output.finished.reason if output.finished is not None else None
         return {"index": index, "message": message, "logprobs": self.logprobs(whole.logprobs),
                 "finish_reason": finish_reason}
 

@@ -58,3 +58,27 @@ def test_a_constrained_tool_choice_shows_no_text_and_the_whole_output_gathers_th
 def test_a_choice_that_never_ends_has_no_finished_event():
     whole = WholeOutput(OutputTranslator(plan("auto")).events(0, delta("plain words")))
     assert whole.finished is None and whole.calls == [] and whole.text == "plain words"
+
+
+def test_chat_encodes_the_events_as_openai_deltas_and_a_final_message():
+    from runtime.tokenizer import ByteTokenizer
+    from service.api.formatting import ChatFormat
+
+    pieces = ["Sure. <tool_call>", '{"name": "get_weather", "arguments": {"city": "Rome"}}', "</tool_call>", ""]
+    fmt = ChatFormat("chatcmpl-1", 0, "m", ByteTokenizer(), None, tool_plan=plan("auto"))
+    chunks = [fmt.delta_choice(0, delta(piece, "stop" if i == len(pieces) - 1 else None), first=i == 0)
+              for i, piece in enumerate(pieces)]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": "Sure. ", "refusal": None}
+    calls = [call for chunk in chunks for call in chunk["delta"].get("tool_calls", [])]
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(set(call) == {"index", "function"} and call["index"] == 0 for call in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls[1:]).replace(" ", "") == '{"city":"Rome"}'
+    assert [c["delta"]["content"] for c in chunks[1:]] == [None, None, None]  # calls only: OpenAI's null
+    assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
+    whole = delta("".join(pieces), "stop")
+    final = ChatFormat("chatcmpl-2", 0, "m", ByteTokenizer(), None, tool_plan=plan("auto")).final_choice(0, whole)
+    [call] = final["message"]["tool_calls"]
+    assert final["message"]["content"] == "Sure. " and final["finish_reason"] == "tool_calls"
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"]
+    assert call["function"]["arguments"].replace(" ", "") == '{"city":"Rome"}'

@@ -13,11 +13,11 @@ import torch
 
 from config import ConfigError
 from runtime import SamplingParams
-from runtime.sampler import Sampler
 from runtime.speculative.draft_model import DraftModelProposer
 from tests.conftest import hf_greedy
 from tests.runtime.speculative.engine_helpers import engine, first_layers_checkpoint, run, tokens
-from tests.runtime.speculative.test_sampling_exactness import FIELDS, JOINT, STORY, _chi_square_p, _recording
+from tests.runtime.speculative.test_sampling_exactness import (FIELDS, JOINT, STORY, _chi_square_p, _forcing,
+                                                               _recording)
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = ["Lily and Tom went to the park. Lily and Tom saw a big tree. Lily and Tom", "Once upon a time",
@@ -154,13 +154,7 @@ def test_sampled_drafts_verify_against_what_the_plain_sampler_would_draw(stories
     assert len(spec_probs) == len(got.token_ids)  # one distribution per emitted token
     plain = engine(stories_dir)
     forced = got.token_ids
-    original_pick = Sampler._pick
-
-    def forced_pick(self, row, seq, allowed, draft, q=None):
-        original_pick(self, row, seq, allowed, draft, q)
-        return forced[seq.num_output_tokens], False
-
-    monkeypatch.setattr(Sampler, "_pick", forced_pick)
+    _forcing(monkeypatch, forced)
     calls.clear()
     assert run(plain, [prompt], params)[0].outputs[0].token_ids == forced
     assert len(calls) == len(forced)

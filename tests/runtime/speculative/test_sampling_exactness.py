@@ -42,16 +42,34 @@ FIELDS = {
 
 
 def _recording(monkeypatch) -> list[torch.Tensor]:
+    """Every distribution the target's sampler draws a token from, row by row (plain rows and verified positions
+    alike come through Sampler.target_probs_rows)."""
     calls: list[torch.Tensor] = []
-    original = Sampler.target_probs
+    original = Sampler.target_probs_rows
 
-    def target_probs(row, params):
-        probs = original(row, params)
-        calls.append(probs.clone())
+    def target_probs_rows(rows, meta):
+        probs = original(rows, meta)
+        calls.extend(row.clone() for row in probs)
         return probs
 
-    monkeypatch.setattr(Sampler, "target_probs", staticmethod(target_probs))
+    monkeypatch.setattr(Sampler, "target_probs_rows", staticmethod(target_probs_rows))
     return calls
+
+
+def _forcing(monkeypatch, forced: list[int]) -> None:
+    """The plain sampler computes (and records) each row's distribution, then emits `forced` (by output position),
+    with the logprobs of the forced token."""
+    original_call = Sampler.__call__
+
+    def forced_call(self, logits, seqs):
+        original_call(self, logits, seqs)
+        token_ids = [forced[seq.num_output_tokens] for seq in seqs]
+        raw = torch.log_softmax(logits.float().cpu(), dim=-1)
+        return token_ids, [Sampler._logprobs(raw[i], token_id, seq.params.logprobs)
+                           if seq.params.logprobs is not None else None
+                           for i, (token_id, seq) in enumerate(zip(token_ids, seqs))]
+
+    monkeypatch.setattr(Sampler, "__call__", forced_call)
 
 
 @pytest.mark.parametrize("field", list(FIELDS))
@@ -72,13 +90,7 @@ def test_every_verified_position_draws_from_what_the_plain_sampler_would(stories
 
     plain = engine(stories_dir)  # fed the speculative run's tokens, one at a time
     forced = got.token_ids
-    original_pick = Sampler._pick
-
-    def forced_pick(self, row, seq, allowed, draft, q=None):
-        original_pick(self, row, seq, allowed, draft, q)  # computes (and records) this position's distribution
-        return forced[seq.num_output_tokens], False
-
-    monkeypatch.setattr(Sampler, "_pick", forced_pick)
+    _forcing(monkeypatch, forced)
     calls.clear()
     replay = run(plain, [prompt], params)[0].outputs[0]
     assert replay.token_ids == forced

@@ -183,3 +183,33 @@ def test_a_constrained_row_draws_only_allowed_ids_greedy_or_not_and_others_are_u
         assert tokens[2] == int(logits[2].argmax()) and tokens[3] == int(logits[3].argmax())  # empty: unconstrained
     mixed, _ = sampler(logits[:2], [free, greedy])  # the greedy fast path with a constrained row in it
     assert mixed == [int(logits[0].argmax()), allowed[int(logits[1, allowed].argmax())]]
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 8.0])  # flat rows (top_p needs more than the candidates), peaked rows
+def test_batched_filters_keep_what_a_full_sort_of_each_row_keeps(scale):
+    """ops.filter_rows ranks only a row's best candidates for top_p (its top_k, or TOP_P_CANDIDATES): the kept
+    set equals a full sort of that row alone, for rows with and without each filter, in one batch."""
+    from runtime.sampling import ops
+
+    def alone(row: torch.Tensor, k: int, p: float, m: float) -> torch.Tensor:
+        if 0 < k < row.shape[0]:
+            row = row.masked_fill(row < torch.topk(row, k).values[-1], float("-inf"))
+        if p < 1.0:
+            ordered, order = torch.sort(row, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            drop = torch.cumsum(probs, dim=-1) - probs >= p
+            drop[0] = False
+            row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        if m > 0.0:
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < m * probs.max(), float("-inf"))
+        return row
+
+    vocab = 3 * ops.TOP_P_CANDIDATES
+    settings = [(0, 0.9, 0.0), (40, 0.8, 0.0), (0, 1.0, 0.0), (vocab, 0.3, 0.05), (7, 1.0, 0.1), (0, 0.5, 0.02)]
+    for seed in range(20):
+        rows = torch.randn(len(settings), vocab, generator=torch.Generator().manual_seed(seed)) * scale
+        out = ops.filter_rows(rows, torch.tensor([k for k, _, _ in settings]),
+                              torch.tensor([[p] for _, p, _ in settings]), torch.tensor([[m] for _, _, m in settings]))
+        for i, (k, p, m) in enumerate(settings):
+            assert torch.equal(torch.isfinite(out[i]), torch.isfinite(alone(rows[i], k, p, m))), (seed, settings[i])

@@ -5,7 +5,8 @@ policy answers what the mechanism asks, at these points of a step:
 
     __init__            new_queue           the waiting queue the policy orders
     add(seq)            on_arrival          a tenant back from idle may be lifted (fair)
-    make_room()         room_victim         one sequence to preempt so a tenant below its share starts (fair)
+    schedule(), phase 1 room_victim         one sequence to preempt so a tenant below its share starts (fair)
+    (make_room)
     schedule()          prompt_budget       the prompt tokens a step may compute beside its decodes
                         light_tenants       who starts before the other tenants' prompt chunks (fair)
     both                first_tenants       who the queue takes first, each with the part of its share it holds

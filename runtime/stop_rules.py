@@ -15,6 +15,18 @@ from runtime.request import Sequence
 log = structlog.get_logger(__name__)
 
 
+def eos_stops(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+    """Whether `token_id` is an EOS that ends `seq`: unless ignore_eos, and always where a grammar allows it (a
+    grammar allows EOS only where it may end: it ends there, whatever ignore_eos says)."""
+    return token_id in eos_token_ids and (not seq.params.ignore_eos or seq.grammar is not None)
+
+
+def stops_on_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+    """Whether appending `token_id` ends `seq` by the token alone (a stop token id, or EOS as eos_stops says):
+    the rules check_stop applies first, asked before the token is appended (a verification's walk)."""
+    return token_id in seq.params.stop_token_ids or eos_stops(seq, token_id, eos_token_ids)
+
+
 def check_stop(seq: Sequence, token_id: int, eos_token_ids: frozenset[int],
                max_model_len: int) -> tuple[str | None, int | str | None]:
     """(finish reason, stop reason) after `token_id` was appended to `seq` (its detokenizer and grammar fed
@@ -24,8 +36,7 @@ def check_stop(seq: Sequence, token_id: int, eos_token_ids: frozenset[int],
     if token_id in params.stop_token_ids:
         reason, stop_reason = "stop", token_id
         seq.detokenizer.append_silent()
-    elif token_id in eos_token_ids and (not params.ignore_eos or seq.grammar is not None):
-        # a grammar allows EOS only where it may end: it ends there, whatever ignore_eos says
+    elif eos_stops(seq, token_id, eos_token_ids):
         reason = "stop"
         seq.detokenizer.append_silent()
     else:

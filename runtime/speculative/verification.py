@@ -22,8 +22,9 @@ import torch
 
 from runtime.batch import Drafts, SampledTokens
 from runtime.request import Request, Sequence
-from runtime.sampler import PenaltyCounts, Sampler
+from runtime.sampler import Sampler, penalty_counts
 from runtime.sampling_params import SamplingParams
+from runtime.stop_rules import stops_on_token
 
 
 class Lookahead:
@@ -37,11 +38,8 @@ class Lookahead:
         self.params: SamplingParams = seq.params
         self.generator = seq.generator  # the same draws, in the same order, as without lookahead
         self.grammar = seq.grammar.copy() if seq.grammar is not None else None
-        counts = seq.penalty_counts
-        if counts is None and seq.params.has_penalties:  # the first penalised step: counted from the tokens once
-            counts = seq.penalty_counts = PenaltyCounts.from_tokens(seq.token_ids, seq.num_prompt_tokens, vocab_size,
-                                                                    device)
-        self.penalty_counts = counts.copy() if counts is not None else None
+        # the first penalised step counts the sequence's tokens once (as the plain sampler would), then a copy
+        self.penalty_counts = penalty_counts(seq, vocab_size, device).copy() if seq.params.has_penalties else None
         self.num_output_tokens = seq.num_output_tokens
         self.grammar_ended = False  # the grammar refused a draft or is complete: nothing can follow
 
@@ -54,14 +52,6 @@ class Lookahead:
             self.grammar_ended = not self.grammar.accept(token_id) or self.grammar.is_stopped
 
 
-def ends_sequence(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
-    """Whether appending `token_id` ends the sequence by a stop token id or EOS (as runtime/stop_rules.py says)."""
-    params = seq.params
-    if token_id in params.stop_token_ids:
-        return True
-    return token_id in eos_token_ids and (not params.ignore_eos or seq.grammar is not None)
-
-
 def verify_drafts(sampler: Sampler, rows: torch.Tensor,  # float32 [k + 1, vocab]
                   seq: Sequence, drafts: Drafts, eos_token_ids: frozenset[int]) -> SampledTokens:
     """The tokens `seq` emits from k drafts and their k + 1 rows: each kept draft, then the first token that is not
@@ -72,7 +62,7 @@ def verify_drafts(sampler: Sampler, rows: torch.Tensor,  # float32 [k + 1, vocab
         num_accepted = 0
         while num_accepted < len(draft_ids) and targets[num_accepted] == draft_ids[num_accepted]:
             num_accepted += 1
-            if ends_sequence(seq, draft_ids[num_accepted - 1], eos_token_ids):
+            if stops_on_token(seq, draft_ids[num_accepted - 1], eos_token_ids):
                 return SampledTokens(targets[:num_accepted], [None] * num_accepted, num_accepted)
         return SampledTokens(targets[: num_accepted + 1], [None] * (num_accepted + 1), num_accepted)
     tokens: list[int] = []
@@ -85,7 +75,7 @@ def verify_drafts(sampler: Sampler, rows: torch.Tensor,  # float32 [k + 1, vocab
         logprobs.append(token_logprobs)
         if not accepted:  # a refused draft, or the token after the last one: the run ends here
             return SampledTokens(tokens, logprobs, i)
-        if ends_sequence(seq, token_id, eos_token_ids):
+        if stops_on_token(seq, token_id, eos_token_ids):
             return SampledTokens(tokens, logprobs, i + 1)
         if state is seq:
             state = Lookahead(seq, rows.shape[1], rows.device)

@@ -104,13 +104,6 @@ class ChatFormat(ResponseFormat):
         self._translator = OutputTranslator(tool_plan)  # used only with a plan
         self._num_calls: dict[int, int] = {}  # choice index -> tool calls started so far, while streaming
 
-    def _content(self, text: str, num_calls: int) -> str | None:
-        """A message's content: its text, or OpenAI's null where the answer is only calls (a constrained tool
-        choice, or calls with no text beside them)."""
-        if text:
-            return text
-        return None if self.tool_plan.choice in ("required", "function") or num_calls else ""
-
     def logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
         if self.num_top_logprobs is None:
             return None
@@ -144,7 +137,7 @@ class ChatFormat(ResponseFormat):
                 else:
                     finish_reason = event.reason
             self._num_calls[index] = num_calls
-            message["content"] = self._content("".join(texts), num_calls)
+            message["content"] = self.tool_plan.shown_content("".join(texts), num_calls)
             if calls:
                 message["tool_calls"] = calls
         return {"index": index, "delta": message, "logprobs": self.logprobs(delta.logprobs),
@@ -155,7 +148,7 @@ class ChatFormat(ResponseFormat):
         finish_reason = whole.finish_reason
         if self.tool_plan is not None:
             output = WholeOutput(OutputTranslator(self.tool_plan).events(index, whole))
-            message["content"] = self._content(output.text, len(output.calls))
+            message["content"] = self.tool_plan.shown_content(output.text, len(output.calls))
             if output.calls:
                 message["tool_calls"] = [{"id": call_id, "type": "function",
                                           "function": {"name": name, "arguments": arguments}}

@@ -98,8 +98,14 @@ class ToolPlan:
         if last:
             tail, more = parser.finish()
             content, calls = content + tail, calls + more
-        only_calls = self.choice in ("required", "function") or (parser.calls and not content.strip())
-        return (None if only_calls else content), calls  # OpenAI's null content beside calls
+        return self.shown_content(content, len(parser.calls)), calls
+
+    def shown_content(self, content: str, num_calls: int) -> str | None:
+        """A message's content beside `num_calls` tool calls: OpenAI's null where the answer is only calls (a
+        constrained tool choice, or calls with nothing but whitespace beside them), else the text."""
+        if self.choice in ("required", "function") or (num_calls and not content.strip()):
+            return None
+        return content
 
     def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         """OpenAI's: "tool_calls" when auto or required produced calls; a named call ends "stop"."""
